@@ -1,0 +1,94 @@
+"""The physical KV blocks: a free queue, reference counts, and the prefix-cache index.
+
+Block ids are global: every worker stores its shard of block `b` at index `b` of its cache.
+
+Free queue: an `OrderedDict` used as a doubly linked list keyed by block id, so taking the head,
+appending at either end, and removing a block from the middle (a prefix-cache hit on a freed
+block) are all O(1) and allocate nothing per operation. Blocks without a hash go to the head
+when freed (they hold nothing reusable, so they are handed out first); blocks with a hash go to
+the tail, so the head is always the least recently freed cached block: allocation evicts in LRU
+order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+
+_LATENCY_SAMPLES = 65536
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        # Recent allocation latencies (ns), for p50/p99 in the stats.
+        self.alloc_latency_ns: deque[int] = deque(maxlen=_LATENCY_SAMPLES)
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self) -> int:
+        """Take the head of the free queue (evicting its cached hash, if any); ref count 1."""
+        start = time.perf_counter_ns()
+        if not self.free_queue:
+            raise NoFreeBlocksError("no free KV blocks")
+        block, _ = self.free_queue.popitem(last=False)
+        old_hash = self.block_hash[block]
+        if old_hash is not None:
+            if self.cached.get(old_hash) == block:
+                del self.cached[old_hash]
+            self.block_hash[block] = None
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        self.alloc_latency_ns.append(time.perf_counter_ns() - start)
+        return block
+
+    def incref(self, block: int) -> None:
+        """Share a block; a free cached block comes back out of the free queue (prefix hit)."""
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; returns True when the block became free."""
+        count = self.ref_counts[block]
+        if count <= 0:
+            raise RuntimeError(f"double free of KV block {block}")
+        self.ref_counts[block] = count - 1
+        if count > 1:
+            return False
+        self.free_queue[block] = None
+        if self.block_hash[block] is None:
+            self.free_queue.move_to_end(block, last=False)
+        return True
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Record a full block's content hash; the first block with a given hash is the one found."""
+        if self.block_hash[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)

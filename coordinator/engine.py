@@ -1,0 +1,222 @@
+"""The engine loop: schedule -> execute -> process, one step at a time.
+
+    plan = build_step_plan(scheduler.schedule())   (pure Python, no tensors)
+    output = executor.execute(plan)                 (the workers: forward pass and sampling)
+    self._process(...)                              (append tokens, stop, free, stream)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.kv_cache_manager import KVCacheManager
+from coordinator.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from coordinator.plan_builder import build_step_plan
+from coordinator.sampling_params import SamplingParams
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Sequence, SequenceStatus
+from coordinator.stats import engine_stats
+from pagedserve.config import EngineConfig, resolve_model
+from workers.executor import InProcessExecutor
+from workers.model_loader import load_hf_config
+
+
+class _Request:
+    __slots__ = ("seq", "prompt", "detok", "sent_tokens", "sent_chars")
+
+    def __init__(self, seq: Sequence, prompt: str | None, detok: IncrementalDetokenizer):
+        self.seq, self.prompt, self.detok = seq, prompt, detok
+        self.sent_tokens = 0
+        self.sent_chars = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor_cls=InProcessExecutor):
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        hf_config = load_hf_config(source)
+        self.vocab_size = hf_config.vocab_size
+        model_max_len = hf_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({model_max_len})")
+        self.executor = executor_cls(config, source, config.max_model_len or model_max_len)
+        num_blocks = self.executor.num_available_blocks()
+        pool_tokens = num_blocks * config.block_size
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({config.kv_cache_memory} bytes) holds no KV block; "
+                             "raise it to at least one block")
+        if config.max_model_len is None:
+            # The longest sequence must fit the pool alone, or it could never finish.
+            self.max_model_len = min(model_max_len, pool_tokens)
+        elif config.max_model_len > pool_tokens:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the KV pool "
+                             f"({num_blocks} blocks x {config.block_size} = {pool_tokens} tokens); "
+                             "raise kv_cache_memory or lower max_model_len")
+        else:
+            self.max_model_len = config.max_model_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off")
+        self.executor.init_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.peak_blocks_used = 0
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams) -> None:
+        """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+                             f"max_model_len ({self.max_model_len}) to leave room for one new token")
+        seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids))
+        self.requests[request_id] = _Request(seq, prompt, detok)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, SequenceStatus.FINISHED_ABORTED)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        finished, self._finished_seq_ids = self._finished_seq_ids, []
+        plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
+        output = self.executor.execute(plan)
+        self.num_steps += 1
+        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
+        return self._process(sched, output)
+
+    def _process(self, sched, output) -> list[RequestOutput]:
+        sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
+        now = time.monotonic()
+        outputs = []
+        for seq, n in sched.scheduled:
+            old = seq.num_computed_tokens
+            seq.num_computed_tokens = old + n
+            self.kv.commit_computed(seq, old)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue  # a prefill chunk that is not the last
+            req = self.requests[seq.request_id]
+            seq.token_ids.append(token)
+            self.num_generation_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            req.detok.step(seq.token_ids)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _stop_status(self, req: _Request, token: int) -> SequenceStatus | None:
+        seq, p = req.seq, req.seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if p.stop and self._truncate_at_stop_string(req):
+                return SequenceStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _truncate_at_stop_string(req: _Request) -> bool:
+        """Cut the text before the earliest stop string; only the tail can hold a new match."""
+        text, stops = req.detok.text, req.seq.params.stop
+        window = max(map(len, stops)) + 16
+        start = max(0, len(text) - window)
+        hits = [(text.find(s, start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        req.detok.text = text[:index]
+        req.seq.stop_reason = stop
+        return True
+
+    def _finish(self, req: _Request, status: SequenceStatus) -> None:
+        seq = req.seq
+        self.scheduler.finish(seq, status)
+        seq.finish_time = time.monotonic()
+        self._finished_seq_ids.append(seq.seq_id)
+        del self.requests[seq.request_id]
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.status.finished
+        out_tokens = seq.output_token_ids
+        delta_tokens = out_tokens[req.sent_tokens:]
+        req.sent_tokens = len(out_tokens)
+        text = req.detok.text
+        if not finished and seq.params.stop:
+            # Hold back a tail that could still grow into a stop string, so none ever leaks.
+            text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        delta_text = text[req.sent_chars:]
+        req.sent_chars = max(req.sent_chars, len(text))
+        completion = CompletionOutput(0, text, out_tokens, seq.status.value if finished else None,
+                                      seq.stop_reason)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                                 seq.finish_time, seq.num_cached_prompt_tokens, seq.num_preemptions)
+        return RequestOutput(seq.request_id, req.prompt, seq.prompt_token_ids, [completion], finished,
+                             metrics, delta_text=delta_text, delta_token_ids=delta_tokens)
+
+    def stats(self) -> dict:
+        return engine_stats(self)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _eos_ids(tokenizer, hf_config) -> set[int]:
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,170 @@
+"""Block tables of sequences over the block pool: lazy growth, fork, copy-on-write, prefix cache.
+
+A sequence's table grows only when its last block is full. Prefix caching identifies a full
+block by a hash chained over its parent block's hash and its token ids (blake2b: stable across
+processes and runs, unlike Python's `hash`), so equal hashes mean equal whole prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from coordinator.block_pool import BlockPool
+from coordinator.sequence import Sequence
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 watermark: float = 0.01):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        # Blocks kept free when admitting new sequences, so running ones can grow a while
+        # without preempting; ignored when nothing runs (a lone prompt may use the whole pool).
+        self.watermark_blocks = int(watermark * num_blocks)
+        # Copy-on-write copies decided since the last drain: (src_block, dst_block).
+        self.pending_copies: list[tuple[int, int]] = []
+        # Tokens whose K/V are written, per block; their sum over used blocks is `filled_slots`.
+        self.block_fill = [0] * num_blocks
+        self.filled_slots = 0
+        self._num_registered: dict[int, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fragmentation(self) -> float:
+        """Allocated-but-empty slots over allocated slots (internal fragmentation)."""
+        allocated = self.pool.num_used * self.block_size
+        return 0.0 if allocated == 0 else 1.0 - self.filled_slots / allocated
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        hashes, bs = seq.block_hashes, self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest run of cached blocks that prefixes `seq`. The last token is always left to
+        compute, since the step that computes it yields the logits for the next one."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        blocks = []
+        for h in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
+                       keep_watermark: bool = False) -> bool:
+        """Make `seq`'s table cover `num_new_tokens` more tokens (after `computed_blocks`, the
+        prefix-cache hits of a newly admitted sequence). All or nothing: returns False and
+        changes nothing when the pool cannot provide the blocks."""
+        pool, bs = self.pool, self.block_size
+        table = seq.block_table
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        total_blocks = len(table) + len(computed_blocks)
+        needed = max(0, self.blocks_needed(num_computed + num_new_tokens) - total_blocks)
+        cow = (num_new_tokens > 0 and num_computed % bs != 0
+               and pool.ref_counts[table[num_computed // bs]] > 1)
+        revived = sum(1 for b in computed_blocks if pool.ref_counts[b] == 0)
+        available = pool.num_free - revived - (self.watermark_blocks if keep_watermark else 0)
+        if needed + cow > available:
+            return False
+        for b in computed_blocks:
+            if pool.ref_counts[b] == 0:  # back from the free queue: its (full) fill counts again
+                self.filled_slots += self.block_fill[b]
+            pool.incref(b)
+            table.append(b)
+        if computed_blocks:
+            seq.num_computed_tokens = num_computed
+            self._num_registered[seq.seq_id] = len(table)
+        if cow:
+            self._copy_on_write(seq, num_computed // bs)
+        for _ in range(needed):
+            b = pool.allocate()
+            self.block_fill[b] = 0
+            table.append(b)
+        return True
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        src = seq.block_table[index]
+        dst = self.pool.allocate()
+        fill = seq.num_computed_tokens - index * self.block_size
+        self.block_fill[dst] = fill
+        self.filled_slots += fill
+        self.pool.decref(src)
+        seq.block_table[index] = dst
+        self.pending_copies.append((src, dst))
+
+    def commit_computed(self, seq: Sequence, old_computed: int) -> None:
+        """After a step wrote K/V for tokens [old_computed, seq.num_computed_tokens): update the
+        fill accounting and register the blocks that became full in the prefix cache."""
+        bs, table = self.block_size, seq.block_table
+        new_computed = seq.num_computed_tokens
+        for i in range(old_computed // bs, self.blocks_needed(new_computed)):
+            fill = min(bs, new_computed - i * bs)
+            b = table[i]
+            if fill > self.block_fill[b]:
+                self.filled_slots += fill - self.block_fill[b]
+                self.block_fill[b] = fill
+        if self.enable_prefix_caching:
+            num_full = new_computed // bs
+            start = self._num_registered.get(seq.seq_id, 0)
+            if num_full > start:
+                self._extend_hashes(seq, num_full)
+                for i in range(start, num_full):
+                    self.pool.register(table[i], seq.block_hashes[i])
+                self._num_registered[seq.seq_id] = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (ref counts + 1); writes copy on demand."""
+        for b in parent.block_table:
+            self.pool.incref(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, last block first, so that a sequence's tail is evicted
+        from the prefix cache before its (more shareable) head."""
+        for b in reversed(seq.block_table):
+            if self.pool.decref(b):
+                self.filled_slots -= self.block_fill[b]
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.seq_id, None)
+
+    def drain_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

@@ -1,0 +1,62 @@
+"""Turn the scheduler's decisions into a StepPlan: flat token ids, positions, slots, block tables."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coordinator.scheduler import SchedulerOutput
+from coordinator.sequence import Sequence
+from workers.step_plan import SeqSampling, StepPlan
+
+
+def sampling_for(seq: Sequence, eos_token_ids: frozenset[int]) -> SeqSampling:
+    p = seq.params
+    banned: tuple[int, ...] = ()
+    if seq.num_output_tokens < p.min_tokens:
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops |= eos_token_ids
+        banned = tuple(sorted(stops))
+    return SeqSampling(seq.seq_id, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, banned)
+
+
+def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: list[int],
+                    eos_token_ids: frozenset[int]) -> StepPlan:
+    scheduled = sched.scheduled
+    num_seqs = len(scheduled)
+    num_tokens = sched.num_tokens
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    slot_mapping = np.empty(num_tokens, dtype=np.int64)
+    query_lens = np.empty(num_seqs, dtype=np.int32)
+    context_lens = np.empty(num_seqs, dtype=np.int32)
+    max_blocks = max((len(seq.block_table) for seq, _ in scheduled), default=0)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    sample_indices = []
+    sampling = []
+    t = 0
+    for i, (seq, n) in enumerate(scheduled):
+        start, table = seq.num_computed_tokens, seq.block_table
+        end = start + n
+        if n == 1:  # decodes: plain Python beats numpy's per-call overhead
+            input_ids[t] = seq.token_ids[start]
+            positions[t] = start
+            slot_mapping[t] = table[start // block_size] * block_size + start % block_size
+        else:
+            pos = np.arange(start, end)
+            input_ids[t:t + n] = seq.token_ids[start:end]
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = np.asarray(table)[pos // block_size] * block_size + pos % block_size
+        query_lens[i] = n
+        context_lens[i] = end
+        block_tables[i, :len(table)] = table
+        if end == seq.num_tokens:
+            sample_indices.append(i)
+            sampling.append(sampling_for(seq, eos_token_ids))
+        t += n
+    return StepPlan(
+        seq_ids=[seq.seq_id for seq, _ in scheduled],
+        input_ids=input_ids, positions=positions, query_lens=query_lens, context_lens=context_lens,
+        block_tables=block_tables, slot_mapping=slot_mapping,
+        sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
+        copy=sched.copies, finished_seq_ids=finished_seq_ids)

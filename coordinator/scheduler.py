@@ -1,0 +1,118 @@
+"""The scheduler: which sequences run this step, how many tokens each, and who is preempted.
+
+One token budget per step (`max_num_batched_tokens`) and a cap on running sequences
+(`max_num_seqs`); no separate prefill and decode phases: each sequence's computed tokens catch
+up to its total, a prefill chunk or one decode token at a time, so chunked prefill falls out of
+the budget. Order: running sequences first (oldest first), then waiting ones, FCFS.
+
+Preemption: when a running sequence cannot get its next block, the newest running sequence is
+preempted by recompute: its blocks are freed (its full blocks stay in the prefix cache), it goes
+back to the front of the waiting queue with its generated tokens kept, and on readmission its
+prefill recomputes (or re-finds in the prefix cache) the whole context.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from coordinator.kv_cache_manager import KVCacheManager
+from coordinator.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Filled by swap preemption (the KV-store issue); empty under recompute.
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled this step
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # Admit new work only if nothing was preempted: what was just evicted comes first.
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.copies = kv.drain_copies()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = kv.get_computed_blocks(seq)
+            num_new = seq.num_tokens - len(computed) * kv.block_size
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running)):
+                break  # FCFS: nobody overtakes the head of the queue
+            kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size)
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = len(computed) * kv.block_size
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove a sequence from whichever queue holds it and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.kv.free(seq)
+        seq.status = status

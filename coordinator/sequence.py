@@ -1,0 +1,75 @@
+"""A sequence: its tokens, how many of them have KV in the cache, and its block table."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from coordinator.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+class Sequence:
+    """One generation stream.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache; each step the
+    scheduler lets it catch up towards `num_tokens` (a prefill chunk, or the one token sampled
+    last step). When it reaches `num_tokens`, the step samples the next token.
+    """
+
+    __slots__ = ("seq_id", "request_id", "prompt_token_ids", "token_ids", "params", "status",
+                 "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
+                 "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
+                 "stop_reason", "num_preemptions")
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks, in order (prefix caching).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_prompt_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

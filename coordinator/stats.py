@@ -1,0 +1,33 @@
+"""The engine's figures as one flat dict (LLM.stats(), GetStats)."""
+
+from __future__ import annotations
+
+
+def _percentile_us(samples_ns, q: float) -> float:
+    if not samples_ns:
+        return 0.0
+    ordered = sorted(samples_ns)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+
+
+def engine_stats(engine) -> dict:
+    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
+    return {
+        "kv_blocks_total": pool.num_blocks,
+        "kv_blocks_used": pool.num_used,
+        "kv_blocks_cached": pool.num_cached,
+        "kv_blocks_peak_used": engine.peak_blocks_used,
+        "kv_usage": pool.num_used / pool.num_blocks,
+        "kv_fragmentation": kv.fragmentation(),
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        "num_preemptions": sched.num_preemptions,
+        "alloc_latency_us_p50": _percentile_us(pool.alloc_latency_ns, 0.50),
+        "alloc_latency_us_p99": _percentile_us(pool.alloc_latency_ns, 0.99),
+        "prompt_tokens": engine.num_prompt_tokens,
+        "generation_tokens": engine.num_generation_tokens,
+        "num_running": len(sched.running),
+        "num_waiting": len(sched.waiting),
+        "num_swapped": len(sched.swapped),
+        "num_steps": engine.num_steps,
+    }

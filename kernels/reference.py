@@ -1,0 +1,122 @@
+"""Torch paged attention: vectorized over sequences and blocks (no Python loop per sequence).
+
+Contract shared by every backend:
+- The KV cache of one layer is seen as two views `key_cache`, `value_cache` of shape
+  `[num_blocks, block_size, num_kv_heads, head_dim]` (strided views into the block-major cache).
+- A step carries `T` new tokens from `S` sequences, flattened in sequence order. Sequence `s`
+  brings `query_lens[s]` new tokens (a prefill chunk, or 1 for a decode) whose K/V are written
+  at `slot_mapping` (slot = block_id * block_size + offset) before attention runs, so that
+  after the write its whole context of `context_lens[s]` tokens lies in the blocks of
+  `block_tables[s]`. Query `i` of sequence `s` sits at position
+  `context_lens[s] - query_lens[s] + i` and attends causally to every key at or before it.
+
+Metadata (gather indices, masks) is built once per step and reused by every layer: building it
+costs as much as several layers' attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sequences attended together, their queries padded to one length."""
+
+    token_index: torch.Tensor  # [G, Qmax] index into the flat token dim (padding -> a real token)
+    token_valid: torch.Tensor  # [G * Qmax] bool: which padded rows are real queries
+    out_index: torch.Tensor  # [n_real] flat token index of each real padded row, in row order
+    block_tables: torch.Tensor  # [G, max_blocks]
+    mask: torch.Tensor  # [G, 1, Qmax, max_blocks * block_size] bool: key visible to query
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    block_size: int
+    slot_blocks: torch.Tensor  # [T] block id of each new token's slot
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    groups: list[_Group]
+
+
+def _build_group(seq_idx, query_start, query_lens, context_lens, block_tables, block_size):
+    q_lens = query_lens[seq_idx]
+    ctx_lens = context_lens[seq_idx]
+    q_max = int(q_lens.max())
+    num_blocks = int((ctx_lens.max() + block_size - 1) // block_size)
+    rows = torch.arange(q_max, device=q_lens.device)
+    valid = rows[None, :] < q_lens[:, None]  # [G, Qmax]
+    # Padding rows re-read the sequence's first token; their output is dropped.
+    token_index = query_start[seq_idx][:, None] + torch.where(valid, rows[None, :], 0)
+    q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, Qmax]
+    k_pos = torch.arange(num_blocks * block_size, device=q_lens.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
+    flat_valid = valid.reshape(-1)
+    return _Group(
+        token_index=token_index,
+        token_valid=flat_valid,
+        out_index=token_index.reshape(-1)[flat_valid],
+        block_tables=block_tables[seq_idx, :num_blocks].long(),
+        mask=mask[:, None],
+    )
+
+
+def build_attention_metadata(
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> AttentionMetadata:
+    """Precompute what every layer's `write_kv` and `paged_attention` need for one step.
+
+    Decodes (query length 1) and prefill chunks form separate groups, so that one long prefill
+    chunk does not pad hundreds of decodes to its length.
+    """
+    query_lens = query_lens.long()
+    context_lens = context_lens.long()
+    query_start = torch.zeros_like(query_lens)
+    query_start[1:] = torch.cumsum(query_lens, 0)[:-1]
+    is_decode = query_lens == 1
+    groups = []
+    for select in (is_decode, ~is_decode):
+        seq_idx = torch.nonzero(select).flatten()
+        if seq_idx.numel():
+            groups.append(_build_group(seq_idx, query_start, query_lens, context_lens, block_tables, block_size))
+    slot_mapping = slot_mapping.long()
+    return AttentionMetadata(
+        num_tokens=int(query_lens.sum()),
+        block_size=block_size,
+        slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
+        slot_offsets=slot_mapping % block_size,
+        groups=groups,
+    )
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store the new tokens' K/V (`[T, kv_heads, head_dim]`) at their slots."""
+    key_cache[meta.slot_blocks, meta.slot_offsets] = key
+    value_cache[meta.slot_blocks, meta.slot_offsets] = value
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of `query` (`[T, heads, head_dim]`) over each sequence's paged context."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
+    for g in meta.groups:  # at most two: decodes, prefill chunks
+        n_seq, q_max = g.token_index.shape
+        q = query[g.token_index].transpose(1, 2)  # [G, H, Qmax, D]
+        # Gathering whole blocks is one index op per layer; the blocks are contiguous slabs.
+        k = key_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [G, KVH, L, D]
+        v = value_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        o = o.transpose(1, 2).reshape(n_seq * q_max, num_heads, head_dim)
+        out[g.out_index] = o[g.token_valid]
+    return out

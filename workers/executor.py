@@ -1,0 +1,26 @@
+"""Executors run a step plan on every worker. InProcessExecutor: one worker in this process (TP=1)."""
+
+from __future__ import annotations
+
+from pagedserve.config import EngineConfig, ModelSource
+from workers.step_plan import StepOutput, StepPlan
+from workers.worker import Worker
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs the Ray executor; InProcessExecutor runs one rank")
+        self.worker = Worker(config, source, max_model_len)
+
+    def num_available_blocks(self) -> int:
+        return self.worker.num_available_blocks()
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.worker.execute(plan)
+
+    def shutdown(self) -> None:
+        self.worker = None

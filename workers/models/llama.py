@@ -1,0 +1,176 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) on paged attention, built from a transformers
+config. Projections are fused as vLLM fuses them (`qkv_proj`, `gate_up_proj`): one larger GEMM
+is faster than three small ones on a CPU at decode batch sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as transformers computes them, so low-precision runs stay token-exact.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position, from transformers' own rotary module (so every rope_type it
+    knows, llama3 and yarn included, matches it exactly)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(config)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, rope.inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = _apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        key_cache = kv_cache[:, self.layer_idx, 0]
+        value_cache = kv_cache[:, self.layer_idx, 1]
+        kernels.write_kv(k, v, key_cache, value_cache, meta)
+        out = kernels.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache)."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # shared by every layer
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, named_tensors) -> None:
+        """Take (Hugging Face name, tensor) pairs one at a time, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded = set()
+        for name, tensor in named_tensors:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target = name
+            shard = None
+            for i, p in enumerate(parts):
+                if p in fused:
+                    target_mod, shard = fused[p]
+                    target = ".".join(parts[:i] + [target_mod] + parts[i + 1:])
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    param.narrow(0, self._shard_offset(target, shard), tensor.shape[0]).copy_(tensor)
+            loaded.add((target, shard))
+        expected = set()
+        for name in params:
+            if "qkv_proj" in name:
+                expected |= {(name, 0), (name, 1), (name, 2)}
+            elif "gate_up_proj" in name:
+                expected |= {(name, 0), (name, 1)}
+            else:
+                expected.add((name, None))
+        missing = sorted(n for n, _ in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+
+    def _shard_offset(self, target: str, shard: int) -> int:
+        attn = self.layers[0].self_attn
+        if "qkv_proj" in target:
+            return (0, attn.q_size, attn.q_size + attn.kv_size)[shard]
+        return shard * self.layers[0].mlp.intermediate_size

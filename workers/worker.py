@@ -1,0 +1,57 @@
+"""A worker: holds the model and the KV cache, executes step plans, samples on rank 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kernels
+from pagedserve.config import EngineConfig, ModelSource
+from workers.kv_cache import KVCacheSpec, copy_blocks
+from workers.model_loader import load_hf_config, load_model, resolve_dtype
+from workers.sampler import Sampler
+from workers.step_plan import StepOutput, StepPlan
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = config.device
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hf_config = load_hf_config(source)
+        torch.manual_seed(config.seed)
+        self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len)
+        attn = self.model.layers[0].self_attn
+        self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
+                                      attn.num_kv_heads, attn.head_dim, self.dtype)
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler(config.seed)
+
+    def num_available_blocks(self) -> int:
+        if self.device == "cuda":
+            raise NotImplementedError("GPU KV sizing from gpu_memory_utilization comes with the GPU path")
+        return self.cache_spec.num_blocks_for(self.config.kv_cache_memory)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.sampler.drop(plan.finished_seq_ids)
+        copy_blocks(self.kv_cache, plan.copy)
+        if plan.num_tokens == 0:
+            return StepOutput([], np.zeros(0, dtype=np.int64))
+        meta = kernels.build_attention_metadata(
+            torch.from_numpy(plan.query_lens), torch.from_numpy(plan.context_lens),
+            torch.from_numpy(plan.block_tables), torch.from_numpy(plan.slot_mapping),
+            self.config.block_size)
+        hidden = self.model(torch.from_numpy(plan.input_ids), torch.from_numpy(plan.positions),
+                            self.kv_cache, meta)
+        if len(plan.sample_indices) == 0:
+            return StepOutput([], np.zeros(0, dtype=np.int64))
+        # The last token of each sequence that needs logits.
+        last_token = np.cumsum(plan.query_lens)[plan.sample_indices] - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(last_token)])
+        tokens = self.sampler(logits, plan.sampling)
+        return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy())
