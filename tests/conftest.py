@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random Llama-family models written to temp folders (no model hub)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 49152  # the bundled tokenizer's; tiny models reuse it so text prompts work
+
+
+def _bundled_tokenizer():
+    from transformers import AutoTokenizer
+
+    from pagedserve.config import resolve_model
+
+    src = resolve_model("smollm2-135m-instruct")
+    return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    return _bundled_tokenizer()
+
+
+def _write_tiny_model(path, model_type: str, tokenizer) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1234)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  # Large weights give peaked logits: greedy decoding then has no near-ties.
+                  initializer_range=0.3, tie_word_embeddings=False)
+    if model_type == "qwen2":
+        config = Qwen2Config(rope_theta=10000.0, **common)
+        model = Qwen2ForCausalLM(config)
+    else:
+        config = LlamaConfig(rope_theta=10000.0, **common)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, bundled_tokenizer) -> str:
+    return _write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, bundled_tokenizer) -> str:
+    return _write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", bundled_tokenizer)

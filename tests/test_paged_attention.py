@@ -1,0 +1,99 @@
+"""kernels.paged_attention / write_kv against dense scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, num_blocks=None):
+    """Sequences with `cached_lens[s]` tokens already in randomly placed blocks and
+    `query_lens[s]` new ones; returns everything the kernel and the dense oracle need."""
+    ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = num_blocks or sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[start:start + n])
+        start += n
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t)
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    keys = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
+    values = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
+    # The cached part is already in the cache; the new tokens come through write_kv.
+    for s, t in enumerate(tables):
+        for pos in range(cached_lens[s]):
+            cache[t[pos // block_size], 0, pos % block_size] = keys[s][pos]
+            cache[t[pos // block_size], 1, pos % block_size] = values[s][pos]
+    slots = []
+    for s, t in enumerate(tables):
+        for pos in range(cached_lens[s], ctx_lens[s]):
+            slots.append(t[pos // block_size] * block_size + pos % block_size)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    meta = kernels.build_attention_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables,
+                                            torch.tensor(slots), block_size)
+    return cache, query, new_k, new_v, meta, keys, values
+
+
+def _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale):
+    outs, start = [], 0
+    for k, v, q_len, c in zip(keys, values, query_lens, cached_lens):
+        q = query[start:start + q_len].transpose(0, 1)  # [H, q, D]
+        groups = num_heads // k.shape[1]
+        kk = k.repeat_interleave(groups, dim=1).transpose(0, 1)
+        vv = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+        # Query i sits at position c + i and sees keys 0..c+i.
+        mask = torch.arange(k.shape[0])[None, :] <= (c + torch.arange(q_len))[:, None]
+        outs.append(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
+    # A mix of decodes (1 new token), prefill chunks over cached context, and fresh prompts.
+    query_lens = [int(x) for x in torch.randint(1, 40, (num_seqs,), generator=gen)]
+    query_lens[0] = 1
+    cached_lens = [int(x) for x in torch.randint(0, 70, (num_seqs,), generator=gen)]
+    cached_lens[-1] = 0
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    cache, query, new_k, new_v, meta, keys, values = _random_batch(
+        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim)
+    key_cache, value_cache = cache[:, 0], cache[:, 1]
+    kernels.write_kv(new_k, new_v, key_cache, value_cache, meta)
+    scale = head_dim ** -0.5
+    out = kernels.paged_attention(query, key_cache, value_cache, meta, scale)
+    expected = _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_puts_each_token_at_its_slot_and_nowhere_else():
+    gen = torch.Generator().manual_seed(0)
+    cache, query, new_k, new_v, meta, keys, values = _random_batch(
+        gen, 16, query_lens=[5, 1], cached_lens=[0, 20], num_heads=2, num_kv_heads=2, head_dim=8)
+    before = cache.clone()
+    kernels.write_kv(new_k, new_v, cache[:, 0], cache[:, 1], meta)
+    for i, (b, o) in enumerate(zip(meta.slot_blocks.tolist(), meta.slot_offsets.tolist())):
+        assert torch.equal(cache[b, 0, o], new_k[i]) and torch.equal(cache[b, 1, o], new_v[i])
+        before[b, :, o] = cache[b, :, o]
+    assert torch.equal(before, cache), "write_kv touched a slot outside slot_mapping"
+
+
+def test_decodes_are_not_padded_to_a_long_prefill_chunk():
+    meta = kernels.build_attention_metadata(
+        torch.tensor([1, 1, 300]), torch.tensor([40, 50, 300]),
+        torch.zeros(3, 19, dtype=torch.int32), torch.arange(302), 16)
+    shapes = sorted(tuple(g.token_index.shape) for g in meta.groups)
+    assert shapes == [(1, 300), (2, 1)]

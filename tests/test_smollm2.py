@@ -1,0 +1,74 @@
+"""The bundled SmolLM2-135M-Instruct GGUF: greedy tokens equal transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import resolve_model
+from tests.reference import assert_same_or_near_tie, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+    "The most important thing about learning a language is",
+    "List three fruits that are red:",
+    "To make a good cup of tea, you should",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=1 << 28)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    src = resolve_model("smollm2-135m-instruct")
+    return AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=torch.float32,
+                                                quantization_config=GgufConfig(dequantize=True)).eval()
+
+
+def test_smollm2_greedy_equals_transformers_on_nine_prompts(smollm2, hf_smollm2):
+    tok = smollm2.get_tokenizer()
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = smollm2.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    exact = 0
+    for p, out in zip(prompt_ids, outs):
+        expected = hf_greedy(hf_smollm2, p, NEW_TOKENS)
+        exact += assert_same_or_near_tie(hf_smollm2, p, out.outputs[0].token_ids, expected)
+    assert exact >= len(PROMPTS) - 2, f"only {exact} of {len(PROMPTS)} prompts were token-exact"
+
+
+def test_smollm2_text_prompt_decodes_to_readable_text(smollm2):
+    out = smollm2.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8),
+                           use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_smollm2_same_tokens_under_preemption_and_prefix_hits(smollm2):
+    tok = smollm2.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode("A long shared instruction about careful writing. " * 6 + p)}
+               for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    # 14 blocks x 16 = 224 slots for 9 sequences of ~80 tokens: preemption must happen.
+    small = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=14 * 737280,
+                max_num_batched_tokens=64)
+    tight = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert tight == roomy
+    assert stats["kv_blocks_used"] == 0
