@@ -71,10 +71,9 @@ def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed):
     num_heads, num_kv_heads, head_dim = 6, 2, 16
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
         gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim)
-    key_cache, value_cache = cache[:, 0], cache[:, 1]
-    kernels.write_kv(new_k, new_v, key_cache, value_cache, meta)
+    kernels.write_kv(new_k, new_v, cache, meta)
     scale = head_dim ** -0.5
-    out = kernels.paged_attention(query, key_cache, value_cache, meta, scale)
+    out = kernels.paged_attention(query, cache, meta, scale)
     expected = _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -84,7 +83,7 @@ def test_write_kv_puts_each_token_at_its_slot_and_nowhere_else():
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
         gen, 16, query_lens=[5, 1], cached_lens=[0, 20], num_heads=2, num_kv_heads=2, head_dim=8)
     before = cache.clone()
-    kernels.write_kv(new_k, new_v, cache[:, 0], cache[:, 1], meta)
+    kernels.write_kv(new_k, new_v, cache, meta)
     for i, (b, o) in enumerate(zip(meta.slot_blocks.tolist(), meta.slot_offsets.tolist())):
         assert torch.equal(cache[b, 0, o], new_k[i]) and torch.equal(cache[b, 1, o], new_v[i])
         before[b, :, o] = cache[b, :, o]

@@ -68,10 +68,9 @@ class LlamaAttention(nn.Module):
         k = _apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-        key_cache = kv_cache[:, self.layer_idx, 0]
-        value_cache = kv_cache[:, self.layer_idx, 1]
-        kernels.write_kv(k, v, key_cache, value_cache, meta)
-        out = kernels.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        layer_cache = kv_cache[:, self.layer_idx]
+        kernels.write_kv(k, v, layer_cache, meta)
+        out = kernels.paged_attention(q, layer_cache, meta, self.scale)
         return self.o_proj(out.view(t, self.q_size))
 
 
