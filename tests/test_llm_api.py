@@ -1,0 +1,141 @@
+"""The offline API as a user meets it: input forms, stop conditions, errors, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig, resolve_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, kv_cache_memory=1 << 24)
+
+
+def _no_leak(llm):
+    s = llm.stats()
+    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+    assert not llm.engine.requests
+
+
+def test_outputs_come_back_in_input_order_with_mixed_prompt_forms(llm):
+    tok = llm.get_tokenizer()
+    prompts = ["Hello there", {"prompt_token_ids": [5, 6, 7]}, {"prompt": "The sky is"}]
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (9, 2, 5)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 2, 5]
+    assert outs[0].prompt_token_ids == tok.encode("Hello there")
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
+    _no_leak(llm)
+
+
+def test_stop_string_cuts_the_text_before_it(llm):
+    base = llm.generate("Once upon a time", SamplingParams(max_tokens=30, **GREEDY), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), "pick a stop string with visible characters"
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, stop=[stop], **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    assert len(out.token_ids) < 30
+    _no_leak(llm)
+
+
+def test_stop_token_id_ends_generation_at_that_token(llm):
+    base = llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(max_tokens=12, **GREEDY),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = base[4]
+    first = base.index(stop_id)
+    out = llm.generate({"prompt_token_ids": [11, 12, 13]},
+                       SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == base[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    base = llm.generate({"prompt_token_ids": [21, 22]}, SamplingParams(max_tokens=6, **GREEDY),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate({"prompt_token_ids": [21, 22]},
+                       SamplingParams(max_tokens=6, min_tokens=3, stop_token_ids=[base[0]], **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert base[0] not in out.token_ids[:3]
+    assert len(out.token_ids) >= 3
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    alone = llm.generate("A seeded prompt", params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = ["noise one", "noise two", "A seeded prompt", "noise three"]
+    mixed = llm.generate(crowd, [SamplingParams(max_tokens=7, ignore_eos=True)] * 2 + [params]
+                         + [SamplingParams(max_tokens=3, ignore_eos=True)], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    other = llm.generate("A seeded prompt", SamplingParams(temperature=1.0, seed=43, max_tokens=10,
+                                                           ignore_eos=True), use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != alone
+
+
+def test_bad_prompts_raise_clear_errors_and_leave_nothing_behind(llm):
+    max_len = llm.engine.max_model_len
+    cases = [
+        ({"prompt_token_ids": [1] * max_len}, "max_model_len"),
+        ({"prompt_token_ids": [49152]}, "prompt_token_ids must lie in [0, 49152)"),
+        ({"prompt_token_ids": []}, "prompt must not be empty"),
+        (42, "a prompt must be a string"),
+    ]
+    for prompt, words in cases:
+        with pytest.raises(ValueError) as err:
+            llm.generate(["fine prompt", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert words in str(err.value)
+        _no_leak(llm)
+    # The engine still serves after refusals.
+    assert llm.generate("still alive", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_generation_stops_at_max_model_len(tiny_llama):
+    small = LLM(tiny_llama, kv_cache_memory=1 << 22, max_model_len=40)
+    out = small.generate({"prompt_token_ids": list(range(3, 33))}, SamplingParams(max_tokens=100, **GREEDY),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_stats_report_usage_fragmentation_and_allocation_latency(llm):
+    llm.generate([{"prompt_token_ids": list(range(100, 100 + n))} for n in (5, 17, 40)],
+                 SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    s = llm.stats()
+    expected_keys = {"kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_usage", "kv_fragmentation",
+                     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "alloc_latency_us_p50",
+                     "alloc_latency_us_p99", "prompt_tokens", "generation_tokens"}
+    assert expected_keys <= set(s)
+    assert 0 < s["alloc_latency_us_p50"] <= s["alloc_latency_us_p99"]
+    assert s["prefix_cache_hits"] <= s["prefix_cache_queries"]
+    assert s["kv_blocks_cached"] > 0  # full blocks stay cached after their sequences finish
+
+
+def test_fragmentation_counts_empty_slots_of_running_sequences(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22, enable_prefix_caching=False)
+    eng = llm.engine
+    eng.add_request("a", None, list(range(10, 30)), SamplingParams(max_tokens=5, **GREEDY))  # 20 tokens
+    eng.step()  # prefill: 20 computed tokens in 2 blocks of 16 -> 12 empty slots of 32
+    assert eng.stats()["kv_fragmentation"] == pytest.approx(12 / 32)
+    eng.abort_request("a")
+    _no_leak(llm)
+
+
+def test_invalid_engine_settings_name_the_field():
+    with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32"):
+        EngineConfig(block_size=12)
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="is not a Hugging Face folder"):
+        resolve_model("/nonexistent/model")
+
+
+def test_max_model_len_larger_than_the_pool_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="exceeds the KV pool"):
+        LLM(tiny_llama, kv_cache_memory=8192 * 4, max_model_len=100)
