@@ -41,6 +41,14 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
     groups: list[_Group]
+    # Optional reusable buffer (any shape, the cache's dtype) for the gathered context blocks:
+    # a fresh tensor of tens of MiB per layer costs more in page faults than the copy itself
+    # (measured: 12.7 ms vs 1.5 ms for a 34 MiB gather).
+    workspace: torch.Tensor | None = None
+
+    @property
+    def max_gathered_blocks(self) -> int:
+        return max((g.block_tables.numel() for g in self.groups), default=0)
 
 
 def _build_group(seq_idx, query_start, query_lens, context_lens, block_tables, block_size):
@@ -103,31 +111,48 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, met
     kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = value
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the listed blocks, `[G, kv_heads, L, head_dim]` each. One `index_select` over
-    rows of contiguous (K, V) runs runs at memcpy speed; advanced indexing of K and V separately
-    measured 2-3x slower per byte."""
+def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                   workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the listed blocks, `[G, kv_heads, L, head_dim]` each (transposed views of
+    contiguous `[G, L, kv_heads, head_dim]` buffers). One `index_select` each over rows of
+    contiguous block slabs goes at memcpy speed into a reused buffer; gathering K and V together
+    and splitting them afterwards costs a second copy (measured: 17% of a decode step)."""
     n_seq, n_blocks = block_tables.shape
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    rows = kv_cache.flatten(1).index_select(0, block_tables.reshape(-1))
-    kv = rows.view(n_seq, n_blocks, 2, block_size, kv_heads, head_dim)
-    k = kv[:, :, 0].flatten(1, 2).transpose(1, 2)
-    v = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
+    index = block_tables.reshape(-1)
+    row = block_size * kv_heads * head_dim
+    need = index.numel() * row
+    halves = [None, None]
+    if workspace is not None and workspace.numel() >= 2 * need:
+        flat_ws = workspace.view(-1)
+        halves = [flat_ws[:need].view(-1, row), flat_ws[need:2 * need].view(-1, row)]
+    k, v = (torch.index_select(kv_cache[:, i].flatten(1), 0, index, out=halves[i])
+            .view(n_seq, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2) for i in (0, 1))
     return k, v
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Causal attention of `query` (`[T, heads, head_dim]`) over each sequence's paged context."""
+    """Causal attention of `query` (`[T, heads, head_dim]`) over each sequence's paged context.
+
+    GQA is folded into the query length: the `heads // kv_heads` query heads that share a KV
+    head become extra query rows of that KV head (each with its token's mask row), so every
+    KV head's context is read once per layer instead of once per query head.
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
+    rep = num_heads // num_kv_heads
     out = torch.empty_like(query)
     for g in meta.groups:  # at most two: decodes, prefill chunks
         n_seq, q_max = g.token_index.shape
-        q = query[g.token_index].transpose(1, 2)  # [G, H, Qmax, D]
-        k, v = _gather_blocks(kv_cache, g.block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
-        o = o.transpose(1, 2).reshape(n_seq * q_max, num_heads, head_dim)
+        # [G, Qmax, KVH, rep, D] -> [G, KVH, rep * Qmax, D]
+        q = query[g.token_index].view(n_seq, q_max, num_kv_heads, rep, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(n_seq, num_kv_heads, rep * q_max, head_dim)
+        mask = g.mask if rep == 1 or q_max == 1 else g.mask.repeat(1, 1, rep, 1)
+        k, v = _gather_blocks(kv_cache, g.block_tables, meta.workspace)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        # [G, KVH, rep, Qmax, D] -> [G * Qmax, H, D]
+        o = o.view(n_seq, num_kv_heads, rep, q_max, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.reshape(n_seq * q_max, num_heads, head_dim)
         out[g.out_index] = o[g.token_valid]
     return out

@@ -26,6 +26,7 @@ class Worker:
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
         self.kv_cache: torch.Tensor | None = None
+        self._gather_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
@@ -35,6 +36,13 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+
+    def _workspace(self, num_blocks: int) -> torch.Tensor:
+        """A gather buffer reused by every layer and step; grows, never shrinks."""
+        need = num_blocks * self.kv_cache[0, 0].numel()
+        if self._gather_workspace.numel() < need:
+            self._gather_workspace = torch.empty(need + need // 4, dtype=self.dtype, device=self.device)
+        return self._gather_workspace
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -46,6 +54,7 @@ class Worker:
             torch.from_numpy(plan.query_lens), torch.from_numpy(plan.context_lens),
             torch.from_numpy(plan.block_tables), torch.from_numpy(plan.slot_mapping),
             self.config.block_size)
+        meta.workspace = self._workspace(meta.max_gathered_blocks)
         hidden = self.model(torch.from_numpy(plan.input_ids), torch.from_numpy(plan.positions),
                             self.kv_cache, meta)
         if len(plan.sample_indices) == 0:
