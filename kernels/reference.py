@@ -73,28 +73,47 @@ def _build_group(seq_idx, query_start, query_lens, context_lens, block_tables, b
     )
 
 
+def _group_sequences(query_lens: list[int], context_lens: list[int], max_gather_tokens: int) -> list[list[int]]:
+    """Split the step's sequences into attention groups.
+
+    Decodes and prefill chunks apart (one long chunk must not pad hundreds of decodes to its
+    length); within each kind, sorted by context length and cut so that a group's padded
+    context (sequences x longest) stays under `max_gather_tokens`. Sorting keeps the padding
+    small; the cut keeps each group's gathered K/V small enough to still sit in the CPU cache
+    when attention reads it back (measured on SmolLM2 decode: see the worker's budget).
+    """
+    groups = []
+    for decode in (True, False):
+        order = sorted((i for i, q in enumerate(query_lens) if (q == 1) == decode), key=context_lens.__getitem__)
+        current: list[int] = []
+        for i in order:
+            # Sorted ascending, so this sequence is the group's longest.
+            if current and context_lens[i] * (len(current) + 1) > max_gather_tokens:
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+    return groups
+
+
 def build_attention_metadata(
     query_lens: torch.Tensor,
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_size: int,
+    max_gather_tokens: int = 1 << 30,
 ) -> AttentionMetadata:
-    """Precompute what every layer's `write_kv` and `paged_attention` need for one step.
-
-    Decodes (query length 1) and prefill chunks form separate groups, so that one long prefill
-    chunk does not pad hundreds of decodes to its length.
-    """
+    """Precompute what every layer's `write_kv` and `paged_attention` need for one step."""
     query_lens = query_lens.long()
     context_lens = context_lens.long()
     query_start = torch.zeros_like(query_lens)
     query_start[1:] = torch.cumsum(query_lens, 0)[:-1]
-    is_decode = query_lens == 1
-    groups = []
-    for select in (is_decode, ~is_decode):
-        seq_idx = torch.nonzero(select).flatten()
-        if seq_idx.numel():
-            groups.append(_build_group(seq_idx, query_start, query_lens, context_lens, block_tables, block_size))
+    groups = [
+        _build_group(torch.tensor(idx), query_start, query_lens, context_lens, block_tables, block_size)
+        for idx in _group_sequences(query_lens.tolist(), context_lens.tolist(), max_gather_tokens)
+    ]
     slot_mapping = slot_mapping.long()
     return AttentionMetadata(
         num_tokens=int(query_lens.sum()),

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 import kernels
 
 
-def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, num_blocks=None):
+def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim,
+                  max_gather_tokens=1 << 30):
     """Sequences with `cached_lens[s]` tokens already in randomly placed blocks and
     `query_lens[s]` new ones; returns everything the kernel and the dense oracle need."""
     ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
     blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
-    num_blocks = num_blocks or sum(blocks_per_seq) + 3
+    num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, start = [], 0
     for n in blocks_per_seq:
@@ -40,7 +41,7 @@ def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_he
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     meta = kernels.build_attention_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables,
-                                            torch.tensor(slots), block_size)
+                                            torch.tensor(slots), block_size, max_gather_tokens)
     return cache, query, new_k, new_v, meta, keys, values
 
 
@@ -58,9 +59,10 @@ def _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, sc
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("max_gather_tokens", [1 << 30, 64])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed):
+def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, max_gather_tokens):
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
     # A mix of decodes (1 new token), prefill chunks over cached context, and fresh prompts.
@@ -70,7 +72,8 @@ def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed):
     cached_lens[-1] = 0
     num_heads, num_kv_heads, head_dim = 6, 2, 16
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
-        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim)
+        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, max_gather_tokens)
+    assert sum(g.token_index.shape[0] for g in meta.groups) == num_seqs
     kernels.write_kv(new_k, new_v, cache, meta)
     scale = head_dim ** -0.5
     out = kernels.paged_attention(query, cache, meta, scale)
@@ -96,3 +99,11 @@ def test_decodes_are_not_padded_to_a_long_prefill_chunk():
         torch.zeros(3, 19, dtype=torch.int32), torch.arange(302), 16)
     shapes = sorted(tuple(g.token_index.shape) for g in meta.groups)
     assert shapes == [(1, 300), (2, 1)]
+
+
+def test_groups_sort_by_context_and_respect_the_gather_budget():
+    from kernels.reference import _group_sequences
+
+    groups = _group_sequences([1, 1, 1, 1, 5], [100, 10, 50, 12, 20], max_gather_tokens=100)
+    # decodes sorted by length 10, 12, 50 | 100 (3 x 50 = 150 > 100 splits after 12), then the chunk
+    assert groups == [[1, 3], [2], [0], [4]]

@@ -13,6 +13,9 @@ from workers.sampler import Sampler
 from workers.step_plan import StepOutput, StepPlan
 
 
+GATHER_BYTES = 8 << 20
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, rank: int = 0):
         self.config = config
@@ -27,6 +30,10 @@ class Worker:
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
         self.kv_cache: torch.Tensor | None = None
         self._gather_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Attention groups whose gathered K/V stay within this many bytes per layer are read back
+        # from the CPU cache, not DRAM.
+        token_bytes = self.cache_spec.block_bytes // (self.cache_spec.num_layers * config.block_size)
+        self._max_gather_tokens = max(config.block_size, GATHER_BYTES // token_bytes)
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
@@ -53,7 +60,7 @@ class Worker:
         meta = kernels.build_attention_metadata(
             torch.from_numpy(plan.query_lens), torch.from_numpy(plan.context_lens),
             torch.from_numpy(plan.block_tables), torch.from_numpy(plan.slot_mapping),
-            self.config.block_size)
+            self.config.block_size, self._max_gather_tokens)
         meta.workspace = self._workspace(meta.max_gathered_blocks)
         hidden = self.model(torch.from_numpy(plan.input_ids), torch.from_numpy(plan.positions),
                             self.kv_cache, meta)
