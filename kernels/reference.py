@@ -1,4 +1,4 @@
-"""Torch paged attention: vectorized over sequences and blocks (no Python loop per sequence).
+"""Torch paged attention, vectorized over sequences and blocks (no Python loop per block).
 
 Contract shared by every backend:
 - The KV cache of one layer is a view `kv_cache` of shape
@@ -11,8 +11,13 @@ Contract shared by every backend:
   `block_tables[s]`. Query `i` of sequence `s` sits at position
   `context_lens[s] - query_lens[s] + i` and attends causally to every key at or before it.
 
-Metadata (gather indices, masks) is built once per step and reused by every layer: building it
-costs as much as several layers' attention.
+Metadata (groups, gather indices, masks) is built once per step and reused by every layer.
+Three kinds of group, each the cheapest way to do its part of the step:
+- decodes, batched (sorted by context length, cut to a cache-sized gather budget);
+- fresh prefills (no cached context): plain causal attention over the step's own K/V, with no
+  gather and no mask;
+- prefill chunks over cached context: one sequence per group, its blocks gathered, a causal
+  mask aligned to the end of the context.
 """
 
 from __future__ import annotations
@@ -25,13 +30,9 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class _Group:
-    """Sequences attended together, their queries padded to one length."""
-
-    token_index: torch.Tensor  # [G, Qmax] index into the flat token dim (padding -> a real token)
-    token_valid: torch.Tensor  # [G * Qmax] bool: which padded rows are real queries
-    out_index: torch.Tensor  # [n_real] flat token index of each real padded row, in row order
-    block_tables: torch.Tensor  # [G, max_blocks]
-    mask: torch.Tensor  # [G, 1, Qmax, max_blocks * block_size] bool: key visible to query
+    token_index: torch.Tensor  # [G, Qmax] flat token index of each query row
+    block_tables: torch.Tensor | None  # [G, max_blocks]; None: attend to the step's own K/V
+    mask: torch.Tensor | None  # [G, 1, Qmax, max_blocks * block_size] bool; None: plain causal
 
 
 @dataclass(slots=True)
@@ -48,53 +49,34 @@ class AttentionMetadata:
 
     @property
     def max_gathered_blocks(self) -> int:
-        return max((g.block_tables.numel() for g in self.groups), default=0)
+        return max((g.block_tables.numel() for g in self.groups if g.block_tables is not None), default=0)
 
 
-def _build_group(seq_idx, query_start, query_lens, context_lens, block_tables, block_size):
-    q_lens = query_lens[seq_idx]
-    ctx_lens = context_lens[seq_idx]
-    q_max = int(q_lens.max())
-    num_blocks = int((ctx_lens.max() + block_size - 1) // block_size)
-    rows = torch.arange(q_max, device=q_lens.device)
-    valid = rows[None, :] < q_lens[:, None]  # [G, Qmax]
-    # Padding rows re-read the sequence's first token; their output is dropped.
-    token_index = query_start[seq_idx][:, None] + torch.where(valid, rows[None, :], 0)
-    q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, Qmax]
-    k_pos = torch.arange(num_blocks * block_size, device=q_lens.device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
-    flat_valid = valid.reshape(-1)
-    return _Group(
-        token_index=token_index,
-        token_valid=flat_valid,
-        out_index=token_index.reshape(-1)[flat_valid],
-        block_tables=block_tables[seq_idx, :num_blocks].long(),
-        mask=mask[:, None],
-    )
-
-
-def _group_sequences(query_lens: list[int], context_lens: list[int], max_gather_tokens: int) -> list[list[int]]:
-    """Split the step's sequences into attention groups.
-
-    Decodes and prefill chunks apart (one long chunk must not pad hundreds of decodes to its
-    length); within each kind, sorted by context length and cut so that a group's padded
-    context (sequences x longest) stays under `max_gather_tokens`. Sorting keeps the padding
-    small; the cut keeps each group's gathered K/V small enough to still sit in the CPU cache
-    when attention reads it back (measured on SmolLM2 decode: see the worker's budget).
-    """
-    groups = []
-    for decode in (True, False):
-        order = sorted((i for i, q in enumerate(query_lens) if (q == 1) == decode), key=context_lens.__getitem__)
-        current: list[int] = []
-        for i in order:
-            # Sorted ascending, so this sequence is the group's longest.
-            if current and context_lens[i] * (len(current) + 1) > max_gather_tokens:
-                groups.append(current)
-                current = []
-            current.append(i)
-        if current:
+def _group_decodes(context_lens: list[int], decodes: list[int], max_gather_tokens: int) -> list[list[int]]:
+    """Sorted by context length, cut so that a group's padded context (sequences x longest)
+    stays under `max_gather_tokens`: sorting keeps the padding small, and the cut keeps each
+    group's gathered K/V small enough to still sit in the CPU cache when attention reads it."""
+    groups, current = [], []
+    for i in sorted(decodes, key=context_lens.__getitem__):
+        # Sorted ascending, so this sequence is the group's longest.
+        if current and context_lens[i] * (len(current) + 1) > max_gather_tokens:
             groups.append(current)
-    return groups
+            current = []
+        current.append(i)
+    return groups + ([current] if current else [])
+
+
+def _paged_group(seq_idx: list[int], query_start, query_lens, context_lens, block_tables, block_size) -> _Group:
+    idx = torch.tensor(seq_idx)
+    q_lens, ctx_lens = query_lens[idx], context_lens[idx]
+    q_max = int(q_lens.max())  # 1 for decodes; prefill chunks come one sequence per group
+    num_blocks = -(-int(ctx_lens.max()) // block_size)
+    rows = torch.arange(q_max)
+    token_index = query_start[idx][:, None] + rows[None, :]
+    q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, Qmax]
+    k_pos = torch.arange(num_blocks * block_size)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
+    return _Group(token_index, block_tables[idx, :num_blocks].long(), mask[:, None])
 
 
 def build_attention_metadata(
@@ -110,10 +92,17 @@ def build_attention_metadata(
     context_lens = context_lens.long()
     query_start = torch.zeros_like(query_lens)
     query_start[1:] = torch.cumsum(query_lens, 0)[:-1]
-    groups = [
-        _build_group(torch.tensor(idx), query_start, query_lens, context_lens, block_tables, block_size)
-        for idx in _group_sequences(query_lens.tolist(), context_lens.tolist(), max_gather_tokens)
-    ]
+    q_list, ctx_list, start_list = query_lens.tolist(), context_lens.tolist(), query_start.tolist()
+    decodes = [i for i, q in enumerate(q_list) if q == 1]
+    groups = [_paged_group(idx, query_start, query_lens, context_lens, block_tables, block_size)
+              for idx in _group_decodes(ctx_list, decodes, max_gather_tokens)]
+    for i, q in enumerate(q_list):
+        if q == 1:
+            continue
+        if ctx_list[i] == q:
+            groups.append(_Group(torch.arange(start_list[i], start_list[i] + q)[None, :], None, None))
+        else:
+            groups.append(_paged_group([i], query_start, query_lens, context_lens, block_tables, block_size))
     slot_mapping = slot_mapping.long()
     return AttentionMetadata(
         num_tokens=int(query_lens.sum()),
@@ -150,28 +139,33 @@ def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
     return k, v
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of `query` (`[T, heads, head_dim]`) over each sequence's paged context.
-
-    GQA is folded into the query length: the `heads // kv_heads` query heads that share a KV
-    head become extra query rows of that KV head (each with its token's mask row), so every
-    KV head's context is read once per layer instead of once per query head.
-    """
+    `key`/`value` are the step's own new K/V (`[T, kv_heads, head_dim]`), already written to
+    the cache; fresh prefills attend to them directly."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     rep = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    for g in meta.groups:  # at most two: decodes, prefill chunks
+    for g in meta.groups:
         n_seq, q_max = g.token_index.shape
-        # [G, Qmax, KVH, rep, D] -> [G, KVH, rep * Qmax, D]
-        q = query[g.token_index].view(n_seq, q_max, num_kv_heads, rep, head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(n_seq, num_kv_heads, rep * q_max, head_dim)
-        mask = g.mask if rep == 1 or q_max == 1 else g.mask.repeat(1, 1, rep, 1)
+        if g.block_tables is None:  # fresh prefill: contiguous tokens, plain causal attention
+            rows = g.token_index[0]
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            q, k, v = (t[first:last].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
+            out[first:last] = o[0].transpose(0, 1)
+            continue
         k, v = _gather_blocks(kv_cache, g.block_tables, meta.workspace)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        # [G, KVH, rep, Qmax, D] -> [G * Qmax, H, D]
-        o = o.view(n_seq, num_kv_heads, rep, q_max, head_dim).permute(0, 3, 1, 2, 4)
-        o = o.reshape(n_seq * q_max, num_heads, head_dim)
-        out[g.out_index] = o[g.token_valid]
+        if q_max == 1:
+            # Decodes: the `rep` query heads sharing a KV head become `rep` query rows of it
+            # (one mask row serves them all), so each KV head's context is read once.
+            q = query[g.token_index[:, 0]].view(n_seq, num_kv_heads, rep, head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+            out[g.token_index[:, 0]] = o.reshape(n_seq, num_heads, head_dim)
+        else:  # one prefill chunk over cached context
+            q = query[g.token_index[0]].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=rep > 1)
+            out[g.token_index[0]] = o[0].transpose(0, 1)
     return out

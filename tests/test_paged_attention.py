@@ -76,7 +76,7 @@ def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, 
     assert sum(g.token_index.shape[0] for g in meta.groups) == num_seqs
     kernels.write_kv(new_k, new_v, cache, meta)
     scale = head_dim ** -0.5
-    out = kernels.paged_attention(query, cache, meta, scale)
+    out = kernels.paged_attention(query, new_k, new_v, cache, meta, scale)
     expected = _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -99,11 +99,13 @@ def test_decodes_are_not_padded_to_a_long_prefill_chunk():
         torch.zeros(3, 19, dtype=torch.int32), torch.arange(302), 16)
     shapes = sorted(tuple(g.token_index.shape) for g in meta.groups)
     assert shapes == [(1, 300), (2, 1)]
+    fresh = [g for g in meta.groups if g.token_index.shape[1] == 300][0]
+    assert fresh.block_tables is None and fresh.mask is None  # no gather, no mask: its own K/V
 
 
 def test_groups_sort_by_context_and_respect_the_gather_budget():
-    from kernels.reference import _group_sequences
+    from kernels.reference import _group_decodes
 
-    groups = _group_sequences([1, 1, 1, 1, 5], [100, 10, 50, 12, 20], max_gather_tokens=100)
-    # decodes sorted by length 10, 12, 50 | 100 (3 x 50 = 150 > 100 splits after 12), then the chunk
-    assert groups == [[1, 3], [2], [0], [4]]
+    groups = _group_decodes([100, 10, 50, 12, 20], [0, 1, 2, 3], max_gather_tokens=100)
+    # sorted by length 10, 12, 50, 100; 3 x 50 = 150 > 100 splits after 12
+    assert groups == [[1, 3], [2], [0]]

@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
         # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         layer_cache = kv_cache[:, self.layer_idx]
         kernels.write_kv(k, v, layer_cache, meta)
-        out = kernels.paged_attention(q, layer_cache, meta, self.scale)
+        out = kernels.paged_attention(q, k, v, layer_cache, meta, self.scale)
         return self.o_proj(out.view(t, self.q_size))
 
 
