@@ -15,6 +15,20 @@ from kernels import AttentionMetadata
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
+# Up to this many tokens (decode batches), MKL's sgemm computes the weight-major product
+# W @ x^T 15-45% faster than x @ W^T (measured on SmolLM2's shapes, 2 cores: 30 layers at 16
+# tokens 31 vs 44 ms, at 64 tokens 103 vs 125 ms; above ~96 tokens the usual order wins). The
+# result is a transposed view; the element-wise ops after it take strided input as it is.
+SKINNY_TOKENS = 96
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] > SKINNY_TOKENS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t()
+    return out if bias is None else out + bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -63,15 +77,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = _apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = _apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         layer_cache = kv_cache[:, self.layer_idx]
         kernels.write_kv(k, v, layer_cache, meta)
         out = kernels.paged_attention(q, k, v, layer_cache, meta, self.scale)
-        return self.o_proj(out.view(t, self.q_size))
+        return linear(out.view(t, self.q_size), self.o_proj.weight)
 
 
 class LlamaMLP(nn.Module):
@@ -82,8 +96,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -124,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float().contiguous()
 
     def load_weights(self, named_tensors) -> None:
         """Take (Hugging Face name, tensor) pairs one at a time, fusing q/k/v and gate/up."""

@@ -1,0 +1,34 @@
+"""The `pagedserve` command line: flags generated from EngineConfig, the offline demo."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve import cli
+from pagedserve.config import EngineConfig
+
+
+def test_every_engine_knob_is_a_flag():
+    args = cli.build_parser().parse_args(["serve", "--block-size", "32", "--no-enable-prefix-caching",
+                                          "--max-model-len", "512", "--kv-cache-memory", "1048576"])
+    config = cli.config_from_args(args)
+    assert (config.block_size, config.enable_prefix_caching, config.max_model_len, config.kv_cache_memory) == \
+        (32, False, 512, 1 << 20)
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in help_text
+
+
+def test_bad_flag_value_exits_with_the_field_named(capsys):
+    assert cli.main(["serve", "--block-size", "12"]) == 2
+    assert "block_size must be one of 8, 16, 32" in capsys.readouterr().err
+
+
+def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):
+    assert cli.main(["serve", "--model", tiny_llama, "--kv-cache-memory", str(1 << 22),
+                     "--max-tokens", "5", "--prompt", "Hello", "--prompt", "World"]) == 0
+    out = capsys.readouterr().out
+    assert "### Hello" in out and "### World" in out
+    assert "generation_tokens=10" in out and "kv_blocks_used=0" in out
