@@ -43,9 +43,13 @@ class LLMEngine:
         hf_config = load_hf_config(source)
         self.vocab_size = hf_config.vocab_size
         model_max_len = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if isinstance(window, int) and 0 < window < model_max_len:
+            # Attention here is full, not windowed: it equals the model's only within the window.
+            model_max_len = window
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({model_max_len})")
+                             f"context ({model_max_len} tokens)")
         self.executor = executor_cls(config, source, config.max_model_len or model_max_len)
         num_blocks = self.executor.num_available_blocks()
         pool_tokens = num_blocks * config.block_size
@@ -114,6 +118,10 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
         output = self.executor.execute(plan)
@@ -129,8 +137,6 @@ class LLMEngine:
             old = seq.num_computed_tokens
             seq.num_computed_tokens = old + n
             self.kv.commit_computed(seq, old)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue  # a prefill chunk that is not the last

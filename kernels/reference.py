@@ -33,6 +33,8 @@ class _Group:
     token_index: torch.Tensor  # [G, Qmax] flat token index of each query row
     block_tables: torch.Tensor | None  # [G, max_blocks]; None: attend to the step's own K/V
     mask: torch.Tensor | None  # [G, 1, Qmax, max_blocks * block_size] bool; None: plain causal
+    # Set for the single decode group of the C backend, which reads the cache in place.
+    context_lens: torch.Tensor | None = None  # [G] int32
 
 
 @dataclass(slots=True)
@@ -49,7 +51,8 @@ class AttentionMetadata:
 
     @property
     def max_gathered_blocks(self) -> int:
-        return max((g.block_tables.numel() for g in self.groups if g.block_tables is not None), default=0)
+        return max((g.block_tables.numel() for g in self.groups
+                    if g.block_tables is not None and g.context_lens is None), default=0)
 
 
 def _group_decodes(context_lens: list[int], decodes: list[int], max_gather_tokens: int) -> list[list[int]]:
@@ -86,16 +89,23 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     max_gather_tokens: int = 1 << 30,
+    cpu_decode_kernel: bool = False,
 ) -> AttentionMetadata:
-    """Precompute what every layer's `write_kv` and `paged_attention` need for one step."""
+    """Precompute what every layer's `write_kv` and `paged_attention` need for one step.
+    With `cpu_decode_kernel`, all decodes form one group for the C kernel (`kernels.cpu`)."""
     query_lens = query_lens.long()
     context_lens = context_lens.long()
     query_start = torch.zeros_like(query_lens)
     query_start[1:] = torch.cumsum(query_lens, 0)[:-1]
     q_list, ctx_list, start_list = query_lens.tolist(), context_lens.tolist(), query_start.tolist()
     decodes = [i for i, q in enumerate(q_list) if q == 1]
-    groups = [_paged_group(idx, query_start, query_lens, context_lens, block_tables, block_size)
-              for idx in _group_decodes(ctx_list, decodes, max_gather_tokens)]
+    if cpu_decode_kernel and decodes:
+        idx = torch.tensor(decodes)
+        groups = [_Group(query_start[idx][:, None], block_tables[idx].to(torch.int32).contiguous(), None,
+                         context_lens[idx].to(torch.int32).contiguous())]
+    else:
+        groups = [_paged_group(idx, query_start, query_lens, context_lens, block_tables, block_size)
+                  for idx in _group_decodes(ctx_list, decodes, max_gather_tokens)]
     for i, q in enumerate(q_list):
         if q == 1:
             continue
@@ -156,6 +166,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             q, k, v = (t[first:last].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
             out[first:last] = o[0].transpose(0, 1)
+            continue
+        if g.context_lens is not None:  # decodes on the C kernel: no gather
+            from kernels import cpu
+
+            rows = g.token_index[:, 0]
+            o = torch.empty(n_seq, num_heads, head_dim, dtype=query.dtype)
+            cpu.decode_attention(o, query[rows].contiguous(), kv_cache, g.block_tables, g.context_lens, scale)
+            out[rows] = o
             continue
         k, v = _gather_blocks(kv_cache, g.block_tables, meta.workspace)
         if q_max == 1:

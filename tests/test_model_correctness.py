@@ -30,7 +30,7 @@ def _assert_no_leak(llm: LLM):
     assert all(c == 0 for c in llm.engine.kv.pool.ref_counts)
 
 
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_mistral"])
 def tiny_model(request):
     return request.getfixturevalue(request.param)
 
@@ -53,9 +53,10 @@ def _check(hf_model, prompts, ours, expected):
         assert_same_or_near_tie(hf_model, p, o, e)
 
 
-def test_greedy_tokens_equal_transformers(tiny_model, hf_model, reference):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_tokens_equal_transformers(tiny_model, hf_model, reference, backend):
     prompts, expected = reference
-    llm = LLM(tiny_model, kv_cache_memory=1 << 24)
+    llm = LLM(tiny_model, kv_cache_memory=1 << 24, attention_backend=backend)
     ours = _generate(llm, prompts)
     assert ours == expected  # random tiny models have no near-ties (logit gaps > 1e-2)
     _assert_no_leak(llm)
@@ -92,9 +93,10 @@ def test_same_tokens_with_chunked_prefill_on_a_tiny_budget(tiny_model, hf_model,
     _assert_no_leak(llm)
 
 
-def test_batch_of_one_equals_batch_of_64(tiny_model):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_batch_of_one_equals_batch_of_64(tiny_model, backend):
     prompts = _prompts(64, seed=3)
-    llm = LLM(tiny_model, kv_cache_memory=1 << 25, enable_prefix_caching=False)
+    llm = LLM(tiny_model, kv_cache_memory=1 << 25, enable_prefix_caching=False, attention_backend=backend)
     batched = _generate(llm, prompts, max_new=12)
     single = [_generate(llm, [p], max_new=12)[0] for p in prompts[:8]]
     assert single == batched[:8]

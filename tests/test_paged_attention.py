@@ -9,8 +9,7 @@ import torch.nn.functional as F
 import kernels
 
 
-def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim,
-                  max_gather_tokens=1 << 30):
+def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, **meta_options):
     """Sequences with `cached_lens[s]` tokens already in randomly placed blocks and
     `query_lens[s]` new ones; returns everything the kernel and the dense oracle need."""
     ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
@@ -25,7 +24,8 @@ def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_he
     block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
     for i, t in enumerate(tables):
         block_tables[i, :len(t)] = torch.tensor(t)
-    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    # A strided view of one layer in a two-layer block-major cache, as the worker passes it.
+    cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen)[:, 1]
     keys = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
     values = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
     # The cached part is already in the cache; the new tokens come through write_kv.
@@ -41,7 +41,7 @@ def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_he
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     meta = kernels.build_attention_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables,
-                                            torch.tensor(slots), block_size, max_gather_tokens)
+                                            torch.tensor(slots), block_size, **meta_options)
     return cache, query, new_k, new_v, meta, keys, values
 
 
@@ -59,10 +59,18 @@ def _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, sc
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("max_gather_tokens", [1 << 30, 64])
+BACKENDS = [{"max_gather_tokens": 1 << 30}, {"max_gather_tokens": 64}, {"cpu_decode_kernel": True}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["torch", "torch-small-groups", "cpu-c-kernel"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, max_gather_tokens):
+def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, backend):
+    if backend.get("cpu_decode_kernel"):
+        from kernels import cpu
+
+        if not cpu.available():
+            pytest.skip("no C compiler for the CPU decode kernel")
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
     # A mix of decodes (1 new token), prefill chunks over cached context, and fresh prompts.
@@ -72,7 +80,7 @@ def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, 
     cached_lens[-1] = 0
     num_heads, num_kv_heads, head_dim = 6, 2, 16
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
-        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, max_gather_tokens)
+        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, **backend)
     assert sum(g.token_index.shape[0] for g in meta.groups) == num_seqs
     kernels.write_kv(new_k, new_v, cache, meta)
     scale = head_dim ** -0.5

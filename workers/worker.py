@@ -16,6 +16,18 @@ from workers.step_plan import StepOutput, StepPlan
 GATHER_BYTES = 8 << 20
 
 
+def _use_cpu_kernel(backend: str, device: str, dtype: torch.dtype) -> bool:
+    """`auto` on a CPU in fp32 takes the C decode kernel when it builds; `cpu` insists on it."""
+    if backend not in ("auto", "cpu"):
+        return False
+    from kernels import cpu
+
+    usable = device == "cpu" and dtype == torch.float32
+    if backend == "cpu" and not (usable and cpu.available()):
+        raise ValueError("attention_backend 'cpu' needs device cpu, dtype float32 and a C compiler (cc)")
+    return usable and cpu.available()
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, rank: int = 0):
         self.config = config
@@ -34,6 +46,7 @@ class Worker:
         # from the CPU cache, not DRAM.
         token_bytes = self.cache_spec.block_bytes // (self.cache_spec.num_layers * config.block_size)
         self._max_gather_tokens = max(config.block_size, GATHER_BYTES // token_bytes)
+        self._cpu_decode_kernel = _use_cpu_kernel(config.attention_backend, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
@@ -60,7 +73,7 @@ class Worker:
         meta = kernels.build_attention_metadata(
             torch.from_numpy(plan.query_lens), torch.from_numpy(plan.context_lens),
             torch.from_numpy(plan.block_tables), torch.from_numpy(plan.slot_mapping),
-            self.config.block_size, self._max_gather_tokens)
+            self.config.block_size, self._max_gather_tokens, self._cpu_decode_kernel)
         meta.workspace = self._workspace(meta.max_gathered_blocks)
         hidden = self.model(torch.from_numpy(plan.input_ids), torch.from_numpy(plan.positions),
                             self.kv_cache, meta)

@@ -1,0 +1,87 @@
+"""A C kernel for CPU decode attention, compiled on first use with the system C compiler.
+
+Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
+times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
+2.3-2.6 ms against 4.5-5.0 ms per layer for 48 SmolLM2 decodes of 40-800 tokens (2 cores).
+fp32 only. When no compiler is found, or the build fails, `available()` is False and callers
+use the torch path. The torch library's own libgomp is already loaded when this one loads, so
+both share one OpenMP runtime (same soname).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PAGEDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+    return Path(base)
+
+
+def _build() -> Path | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = _SOURCE.read_bytes()
+    tag = hashlib.blake2b(source + compiler.encode(), digest_size=8).hexdigest()
+    target = _cache_dir() / f"paged_decode_attention_{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a temporary name, then rename: concurrent first uses never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", tmp, "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("CPU attention kernel did not build (%s); using the torch path", result.stderr[-500:])
+        os.unlink(tmp)
+        return None
+    os.replace(tmp, target)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    global _LIB, _TRIED
+    if not _TRIED:
+        _TRIED = True
+        path = _build()
+        if path is not None:
+            lib = ctypes.CDLL(str(path))
+            fn = lib.paged_decode_attention_f32
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int]
+            _LIB = lib
+    return _LIB
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+    """out, query: [S, H, D] contiguous fp32; kv_cache: one layer's [blocks, 2, bs, kv_heads, D]
+    view with contiguous head_dim; block_tables [S, max_blocks] int32; context_lens [S] int32."""
+    lib = load()
+    s_block, s_kv, s_tok, s_head, s_d = kv_cache.stride()
+    assert s_d == 1 and query.is_contiguous() and out.is_contiguous()
+    num_seqs, num_heads, head_dim = query.shape
+    lib.paged_decode_attention_f32(
+        out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2], block_tables.shape[1],
+        s_block, s_kv, s_tok, s_head, scale, torch.get_num_threads())
