@@ -1,1 +1,1 @@
-
+"""The CPU KV store (swapped-out blocks over shared memory or gRPC): arrives with the KV-store issue."""
