@@ -139,3 +139,13 @@ def test_invalid_engine_settings_name_the_field():
 def test_max_model_len_larger_than_the_pool_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="exceeds the KV pool"):
         LLM(tiny_llama, kv_cache_memory=8192 * 4, max_model_len=100)
+
+
+def test_chat_applies_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Say hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    expected_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert out.prompt_token_ids == list(expected_ids)
+    assert "Say hi" in tok.decode(out.prompt_token_ids)
+    assert len(out.outputs[0].token_ids) == 3
