@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 
 from coordinator.detokenizer import IncrementalDetokenizer
@@ -91,10 +92,13 @@ class LLMEngine:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        try:  # numpy and torch integers are welcome; floats and strings are not
+            prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError("prompt_token_ids must be a list of integers") from None
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
         if len(prompt_token_ids) >= self.max_model_len:

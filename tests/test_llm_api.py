@@ -149,3 +149,45 @@ def test_chat_applies_the_chat_template(llm):
     assert out.prompt_token_ids == list(expected_ids)
     assert "Say hi" in tok.decode(out.prompt_token_ids)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_streamed_deltas_add_up_to_the_final_text_and_never_leak_a_stop_string(llm):
+    base = llm.generate("Streaming test", SamplingParams(max_tokens=30, **GREEDY), use_tqdm=False)[0].outputs[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 4]
+    eng = llm.engine
+    eng.add_request("stream", "Streaming test", None, SamplingParams(max_tokens=30, stop=[stop], **GREEDY))
+    streamed, final = "", None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            streamed += out.delta_text
+            assert stop not in streamed
+            final = out
+    assert final.finished and streamed == final.outputs[0].text == base[:base.index(stop)]
+
+
+def test_numpy_token_ids_are_accepted_and_floats_refused(llm):
+    import numpy as np
+
+    out = llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, SamplingParams(max_tokens=2, **GREEDY),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+        llm.generate({"prompt_token_ids": [5.0, 6]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    _no_leak(llm)
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_every_block(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_batched_tokens=16)
+    eng = llm.engine
+    eng.add_request("long", None, list(range(100, 180)), SamplingParams(max_tokens=50, **GREEDY))
+    eng.add_request("short", None, [7, 8, 9], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()  # "long" is mid-prefill: 16 of 80 tokens computed
+    assert 0 < eng.requests["long"].seq.num_computed_tokens < 80
+    out = eng.abort_request("long")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    for _ in range(8):
+        eng.step()  # "short" is decoding now
+    assert eng.requests["short"].seq.num_output_tokens > 0
+    eng.abort_request("short")
+    _no_leak(llm)
+    assert eng.abort_request("unknown") is None
