@@ -3,6 +3,7 @@ a GGUF file (through transformers' GGUF loader, dequantized to dense tensors).""
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -14,7 +15,10 @@ from workers.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, rope
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@functools.lru_cache(maxsize=8)
 def load_hf_config(source: ModelSource):
+    """The transformers config (cached: from a GGUF file it takes seconds to parse, and the engine
+    and an in-process worker both need it). Callers must not modify it."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
