@@ -48,6 +48,7 @@ def test_smollm2_greedy_equals_transformers_on_nine_prompts(smollm2, hf_smollm2)
     for p, out in zip(prompt_ids, outs):
         expected = hf_greedy(hf_smollm2, p, NEW_TOKENS)
         exact += assert_same_or_near_tie(hf_smollm2, p, out.outputs[0].token_ids, expected)
+    print(f"token-exact: {exact} of {len(PROMPTS)} prompts")
     assert exact >= len(PROMPTS) - 2, f"only {exact} of {len(PROMPTS)} prompts were token-exact"
 
 
