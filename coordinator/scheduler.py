@@ -3,7 +3,8 @@
 One token budget per step (`max_num_batched_tokens`) and a cap on running sequences
 (`max_num_seqs`); no separate prefill and decode phases: each sequence's computed tokens catch
 up to its total, a prefill chunk or one decode token at a time, so chunked prefill falls out of
-the budget. Order: running sequences first (oldest first), then waiting ones, FCFS.
+the budget. Order: running sequences first (their decodes, then their unfinished prefill chunks,
+oldest first), then waiting ones, FCFS.
 
 Preemption: when a running sequence cannot get its next block, the newest running sequence is
 preempted by recompute: its blocks are freed (its full blocks stay in the prefix cache), it goes
@@ -56,22 +57,29 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        # Decodes first, then unfinished prefill chunks, each oldest first: a long prompt's chunks
+        # must not stall the decodes of sequences that arrived after it.
+        remaining = {seq: seq.num_tokens - seq.num_computed_tokens for seq in self.running}
+        order = [seq for seq in self.running if remaining[seq] == 1] + \
+                [seq for seq in self.running if remaining[seq] > 1]
+        scheduled: dict[Sequence, int] = {}
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(remaining[seq], budget)
             while not kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the newest; never one already scheduled this step
+                victim = self.running.pop()  # the newest running sequence
+                budget += scheduled.pop(victim, 0)  # its slots this step are given back
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append((seq, num_new))
+                scheduled[seq] = num_new
                 budget -= num_new
-                i += 1
-                continue
-            break
+        out.scheduled = list(scheduled.items())
 
         # Admit new work only if nothing was preempted: what was just evicted comes first.
         if not out.preempted:

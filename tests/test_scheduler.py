@@ -544,3 +544,37 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
             expected.append(_next_token(expected))
         assert seq.token_ids == expected
     assert_no_leak(kv)
+
+
+def test_decodes_run_before_an_older_sequences_remaining_prefill_chunks():
+    sched, kv = make_scheduler(budget=8)
+    old, young = make_seq(0, 3), make_seq(1, 3)
+    sched.add(old)
+    sched.add(young)
+    run_step(sched)
+    assert plan(run_step(sched)) == [(0, 1), (1, 1)]  # both decoding, oldest first
+    # The older one now has 12 tokens to catch up (as after a readmission): the younger one's
+    # decode still goes first, and the older one's chunk gets what is left of the budget.
+    old.token_ids.extend([5] * 11)
+    assert plan(run_step(sched)) == [(1, 1), (0, 7)]
+    finish_all(sched)
+    assert_no_leak(kv)
+
+
+def test_preempting_an_already_scheduled_decode_drops_it_from_the_step():
+    sched, kv = make_scheduler(num_blocks=4, budget=16, watermark=0.0)
+    old = make_seq(0, 9)  # 3 blocks once its prompt is in, grows into a 4th
+    sched.add(old)
+    run_step(sched)
+    young = make_seq(1, 3)
+    sched.add(young)
+    run_step(sched)  # young takes the last block
+    assert kv.num_free_blocks == 0
+    # Give `old` an unfinished prefill (as after a readmission) so it is ordered after young's decode.
+    old.token_ids.extend([5] * 5)  # 16 tokens: its 4th block must come from young
+    out = run_step(sched)
+    assert [s.seq_id for s in out.preempted] == [1]
+    assert plan(out) == [(0, 6)]  # young's decode was scheduled first, then preempted and dropped
+    assert young.status == SequenceStatus.WAITING and sched.waiting[0] is young
+    finish_all(sched)
+    assert_no_leak(kv)
