@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Regenerate the gRPC stubs in pagedserve/v1 from proto/ (a test fails when they are stale).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/pagedserve/v1/*.proto
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
