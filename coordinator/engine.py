@@ -83,11 +83,9 @@ class LLMEngine:
         self.num_steps = 0
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
-        """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids, or ValueError naming the field and limit. Changes nothing, so
+        a server can call it while a step runs."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
@@ -104,6 +102,14 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
                              f"max_model_len ({self.max_model_len}) to leave room for one new token")
+        return prompt_token_ids
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams) -> None:
+        """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids))
         self.requests[request_id] = _Request(seq, prompt, detok)
