@@ -1,11 +1,25 @@
 """pagedserve: LLM serving with a paged KV cache.
 
     from pagedserve import LLM, SamplingParams
+
+Names are imported on first use, so that the leaf modules every part shares (`pagedserve.config`,
+`pagedserve.v1`) can be imported without pulling in the engine.
 """
 
-from coordinator.outputs import CompletionOutput, RequestOutput
-from coordinator.sampling_params import SamplingParams
-from pagedserve.config import EngineConfig
-from pagedserve.llm import LLM
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+_EXPORTS = {
+    "LLM": "pagedserve.llm",
+    "SamplingParams": "coordinator.sampling_params",
+    "EngineConfig": "pagedserve.config",
+    "RequestOutput": "coordinator.outputs",
+    "CompletionOutput": "coordinator.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -1,0 +1,125 @@
+"""The engine loop for a server: steps run in a worker thread, never on the event loop.
+
+Handlers never touch the engine while a step runs: new requests and aborts are queued and
+applied between steps by the loop task, and each request's outputs come back through its own
+asyncio queue. A stream that ends early (client cancel, deadline) aborts its request, which
+frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from coordinator.engine import LLMEngine
+from coordinator.outputs import RequestOutput
+from coordinator.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._thread.shutdown(wait=True)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._adds) + len(self.engine.scheduler.waiting)
+
+    async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+                       request_id: str = "") -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ValueError for bad input and QueueFullError come before any
+        output, with nothing queued."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine has stopped: {self.error!r}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.num_queued >= self.max_queued_requests:
+            raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
+        token_ids = self.engine.check_prompt(prompt, prompt_token_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._adds.append((request_id, token_ids, params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                out.prompt = prompt
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # cancelled, deadline, or the consumer stopped reading
+                self._streams.pop(request_id, None)
+                self._aborts.append(request_id)
+                self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if not (self._adds or self._aborts):
+                        await self._wakeup.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._thread, self.engine.step)
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug in a step: fail every stream, refuse new ones
+            self.error = e
+            for queue in self._streams.values():
+                queue.put_nowait(RuntimeError(f"the engine failed: {e!r}"))
+            self._streams.clear()
+            raise
+
+    def _apply_pending(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        adds, self._adds = self._adds, []
+        aborted = set(aborts)
+        for request_id, token_ids, params in adds:
+            if request_id in aborted:
+                continue  # cancelled before it ever reached the engine
+            self.engine.add_request(request_id, None, token_ids, params)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    async def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats["num_queued"] = self.num_queued
+        return stats

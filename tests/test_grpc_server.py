@@ -1,0 +1,158 @@
+"""gRPC end to end over a real socket: the server in a background event loop, sync clients."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from coordinator.async_engine import AsyncEngine
+from coordinator.grpc_server import start_server
+from pagedserve import LLM, SamplingParams
+from pagedserve.v1 import serving_pb2 as pb
+from pagedserve.v1 import serving_pb2_grpc
+
+
+class _Server:
+    def __init__(self, llm: LLM, max_queued_requests: int = 1024):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def boot():
+            self.engine = AsyncEngine(llm.engine, max_queued_requests)
+            self.engine.start()
+            self.server, self.port = await start_server(self.engine, port=0)
+
+        asyncio.run_coroutine_threadsafe(boot(), self.loop).result(timeout=30)
+
+    def close(self):
+        async def down():
+            await self.server.stop(grace=None)
+            await self.engine.stop()
+
+        asyncio.run_coroutine_threadsafe(down(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, kv_cache_memory=1 << 24)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = _Server(llm)
+    yield s
+    s.close()
+
+
+@pytest.fixture()
+def stub(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield serving_pb2_grpc.ServingStub(channel)
+
+
+def _collect(stub, request, timeout=60):
+    tokens, text, last = [], "", None
+    for resp in stub.Generate(request, timeout=timeout):
+        tokens += resp.token_ids
+        text += resp.text
+        last = resp
+    return tokens, text, last
+
+
+def _used_blocks(stub) -> float:
+    return stub.GetStats(pb.GetStatsRequest()).stats["kv_blocks_used"]
+
+
+def _wait_for_no_used_blocks(stub, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while _used_blocks(stub) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _used_blocks(stub)
+
+
+def test_concurrent_streams_equal_the_offline_api(llm, stub):
+    prompts = [[(31 * i + j) % 40000 + 100 for j in range(5 + 3 * i)] for i in range(12)]
+    offline = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda p: _collect(stub, pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=p), sampling=sampling)), prompts))
+    assert [tokens for tokens, _, _ in results] == offline
+    for tokens, text, last in results:
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 10
+        assert last.timing.total_s >= last.timing.time_to_first_token_s > 0
+    assert _wait_for_no_used_blocks(stub) == 0
+
+
+def test_text_and_chat_prompts_stream_text(llm, stub):
+    tokens, text, last = _collect(stub, pb.GenerateRequest(
+        text="Hello there", sampling=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    assert len(tokens) == 6 and text == llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi!")])
+    tokens, _, last = _collect(stub, pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=4)))
+    assert last.usage.prompt_tokens > 5  # the chat template wraps the message
+
+
+@pytest.mark.parametrize("request_kwargs,words", [
+    ({}, "prompt: set one of text, chat or token_ids"),
+    ({"text": ""}, "prompt must not be empty"),
+    ({"token_ids": pb.TokenIds(ids=[10 ** 6])}, "prompt_token_ids must lie in"),
+    ({"text": "x", "sampling": pb.SamplingParams(temperature=-1)}, "temperature must be >= 0"),
+    ({"text": "x", "sampling": pb.SamplingParams(top_p=2)}, "top_p must be in (0, 1]"),
+    ({"text": "x", "sampling": pb.SamplingParams(max_tokens=0)}, "max_tokens must be an integer >= 1"),
+    ({"token_ids": pb.TokenIds(ids=[5] * 5000)}, "max_model_len"),
+])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(stub, request_kwargs, words):
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub, pb.GenerateRequest(**request_kwargs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details()
+    tokens, _, _ = _collect(stub, pb.GenerateRequest(text="still fine", sampling=pb.SamplingParams(max_tokens=2)))
+    assert len(tokens) >= 1
+    assert _wait_for_no_used_blocks(stub) == 0
+
+
+def test_cancelled_stream_and_expired_deadline_free_their_blocks(stub):
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(100, 400))),
+                              sampling=pb.SamplingParams(max_tokens=600, ignore_eos=True))
+    call = stub.Generate(long)
+    next(call)  # running now
+    assert _used_blocks(stub) > 0
+    call.cancel()
+    assert _wait_for_no_used_blocks(stub) == 0
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub, long, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _wait_for_no_used_blocks(stub) == 0
+
+
+def test_health_is_serving_and_stats_have_the_engine_fields(server, stub):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.Serving")).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    stats = stub.GetStats(pb.GetStatsRequest()).stats
+    assert {"kv_blocks_total", "kv_usage", "prefix_cache_hits", "num_waiting", "num_queued"} <= set(stats)
+
+
+def test_full_queue_is_resource_exhausted(llm):
+    s = _Server(llm, max_queued_requests=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{s.port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                _collect(serving_pb2_grpc.ServingStub(channel), pb.GenerateRequest(text="x"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        s.close()
