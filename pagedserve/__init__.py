@@ -14,6 +14,9 @@ _EXPORTS = {
     "EngineConfig": "pagedserve.config",
     "RequestOutput": "coordinator.outputs",
     "CompletionOutput": "coordinator.outputs",
+    "Client": "pagedserve.client",
+    "AsyncClient": "pagedserve.client",
+    "ServingError": "pagedserve.client",
 }
 
 __all__ = list(_EXPORTS)

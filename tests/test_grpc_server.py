@@ -156,3 +156,30 @@ def test_full_queue_is_resource_exhausted(llm):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         s.close()
+
+
+def test_client_sdk_generate_stream_stats_health_and_errors(llm, server):
+    import pagedserve
+
+    with pagedserve.Client(f"127.0.0.1:{server.port}") as client:
+        done = client.generate([5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+        offline = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                               SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+        assert done.token_ids == offline.token_ids and done.text == offline.text
+        assert done.finish_reason == "length" and done.usage["completion_tokens"] == 5
+        chunks = list(client.stream("Hello", max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert sum(len(c.token_ids) for c in chunks) == 4
+        assert client.stats()["kv_blocks_total"] > 0 and client.health()
+        with pytest.raises(pagedserve.ServingError) as err:
+            client.generate("x", top_p=5.0)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details
+
+    async def use_async():
+        client = pagedserve.AsyncClient(f"127.0.0.1:{server.port}")
+        try:
+            return await client.generate([5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+        finally:
+            await client.close()
+
+    assert asyncio.run(use_async()).token_ids == offline.token_ids

@@ -1,0 +1,168 @@
+"""Client SDK for a pagedserve server: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    client = Client("127.0.0.1:50051")
+    client.generate("Hello", max_tokens=16, temperature=0).text
+    for chunk in client.stream("Hello"): print(chunk.text, end="")
+
+A prompt is a string, a list of token ids, or a list of chat messages
+(`{"role": ..., "content": ...}`, rendered by the server's chat template). Keyword arguments are
+the fields of SamplingParams. Errors raise ServingError with the gRPC `.code` and `.details`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.v1 import serving_pb2 as pb
+from pagedserve.v1 import serving_pb2_grpc
+
+_HEALTH_SERVICE = "pagedserve.v1.Serving"
+
+
+class ServingError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(slots=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    stop_reason: str = ""
+    usage: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+
+
+def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    params = pb.SamplingParams(**sampling)
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id)
+    prompt = list(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt])
+        return pb.GenerateRequest(chat=chat, sampling=params, request_id=request_id)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id)
+
+
+def _fold(completion: Completion, resp: pb.GenerateResponse) -> None:
+    completion.token_ids += resp.token_ids
+    completion.text += resp.text
+    if resp.finish_reason:
+        completion.finish_reason = resp.finish_reason
+        completion.stop_reason = resp.stop_reason
+        completion.usage = {"prompt_tokens": resp.usage.prompt_tokens,
+                            "completion_tokens": resp.usage.completion_tokens,
+                            "cached_prompt_tokens": resp.usage.cached_prompt_tokens}
+        completion.timing = {"queue_s": resp.timing.queue_s,
+                             "time_to_first_token_s": resp.timing.time_to_first_token_s,
+                             "total_s": resp.timing.total_s}
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _channel(module, target: str, credentials: grpc.ChannelCredentials | None):
+    return module.secure_channel(target, credentials) if credentials else module.insecure_channel(target)
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, timeout: float | None = None):
+        self._channel = _channel(grpc, target, credentials)
+        self._stub = serving_pb2_grpc.ServingStub(self._channel)
+        self._metadata = _metadata(token)
+        self.timeout = timeout
+
+    def stream(self, prompt, request_id: str = "", **sampling) -> Iterator[Chunk]:
+        try:
+            for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                            timeout=self.timeout, metadata=self._metadata):
+                yield Chunk(list(resp.token_ids), resp.text)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+
+    def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
+        completion = Completion()
+        try:
+            for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                            timeout=self.timeout, metadata=self._metadata):
+                _fold(completion, resp)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+        return completion
+
+    def stats(self) -> dict:
+        try:
+            return dict(self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout,
+                                            metadata=self._metadata).stats)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+
+    def health(self) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=_HEALTH_SERVICE), timeout=self.timeout or 5)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, timeout: float | None = None):
+        self._channel = _channel(grpc.aio, target, credentials)
+        self._stub = serving_pb2_grpc.ServingStub(self._channel)
+        self._metadata = _metadata(token)
+        self.timeout = timeout
+
+    async def stream(self, prompt, request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
+        try:
+            async for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                                  timeout=self.timeout, metadata=self._metadata):
+                yield Chunk(list(resp.token_ids), resp.text)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+
+    async def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
+        completion = Completion()
+        try:
+            async for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                                  timeout=self.timeout, metadata=self._metadata):
+                _fold(completion, resp)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+        return completion
+
+    async def stats(self) -> dict:
+        try:
+            reply = await self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise ServingError(e.code(), e.details()) from None
+        return dict(reply.stats)
+
+    async def close(self) -> None:
+        await self._channel.close()
