@@ -41,7 +41,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.add_argument("--max-tokens", type=int, default=48, help="tokens generated per demo prompt")
     serve.add_argument("--prompt", action="append", help="a demo prompt (repeatable)")
+
+    gen = sub.add_parser("generate", help="send a prompt to a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--timeout", type=float, default=None, help="seconds before the request is abandoned")
+
+    stats = sub.add_parser("stats", help="print a running server's stats")
+    stats.add_argument("--target", default="127.0.0.1:50051")
     return parser
+
+
+def run_generate(args) -> int:
+    from pagedserve.client import Client, ServingError
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            if args.stream:
+                for chunk in client.stream(prompt, **sampling):
+                    print(chunk.text, end="", flush=True)
+                print()
+            else:
+                print(client.generate(prompt, **sampling).text)
+    except ServingError as e:
+        print(f"pagedserve: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_stats(args) -> int:
+    from pagedserve.client import Client, ServingError
+
+    try:
+        with Client(args.target, timeout=10) as client:
+            stats = client.stats()
+    except ServingError as e:
+        print(f"pagedserve: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    for key in sorted(stats):
+        print(f"{key} {stats[key]:g}")
+    return 0
 
 
 def run_demo(config: EngineConfig, prompts: list[str], max_tokens: int) -> dict:
@@ -77,6 +122,10 @@ def run_demo(config: EngineConfig, prompts: list[str], max_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "stats":
+        return run_stats(args)
     try:
         config = config_from_args(args)
     except ValueError as e:

@@ -183,3 +183,17 @@ def test_client_sdk_generate_stream_stats_health_and_errors(llm, server):
             await client.close()
 
     assert asyncio.run(use_async()).token_ids == offline.token_ids
+
+
+def test_cli_generate_and_stats_talk_to_a_running_server(llm, server, capsys):
+    from pagedserve import cli
+
+    target = f"127.0.0.1:{server.port}"
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4"]) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4", "--stream"]) == 0
+    assert capsys.readouterr().out == plain  # greedy: the same text, streamed
+    assert cli.main(["stats", "--target", target]) == 0
+    assert "kv_blocks_total" in capsys.readouterr().out
+    assert cli.main(["generate", "x", "--target", target, "--max-tokens", "0"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
