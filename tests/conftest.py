@@ -63,3 +63,13 @@ def tiny_qwen2(tmp_path_factory, bundled_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory, bundled_tokenizer) -> str:
     return _write_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray session for the whole test run (starting one costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,27 @@
+"""The coordinator as a Ray actor in a real local Ray session, served over gRPC."""
+
+from __future__ import annotations
+
+import ray
+
+import pagedserve
+from coordinator.actor import CoordinatorActor, config_dict
+from pagedserve.config import EngineConfig
+
+
+def test_coordinator_actor_serves_the_same_tokens_as_the_offline_api(ray_session, tiny_llama):
+    config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 24)
+    actor = CoordinatorActor.remote()
+    try:
+        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=120)
+        with pagedserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
+            assert client.health()
+            served = client.generate([11, 12, 13], max_tokens=6, temperature=0.0, ignore_eos=True)
+        offline = pagedserve.LLM(tiny_llama, kv_cache_memory=1 << 24).generate(
+            {"prompt_token_ids": [11, 12, 13]},
+            pagedserve.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        assert served.token_ids == offline.outputs[0].token_ids
+        assert ray.get(actor.stats.remote())["kv_blocks_used"] == 0
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=30)
+        ray.kill(actor)
