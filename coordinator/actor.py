@@ -12,9 +12,6 @@ import ray
 
 from pagedserve.config import EngineConfig
 
-ACTOR_NAME = "pagedserve-coordinator"
-
-
 @ray.remote(num_cpus=0)
 class CoordinatorActor:
     def __init__(self):
