@@ -104,6 +104,17 @@ class LLMEngine:
                              f"max_model_len ({self.max_model_len}) to leave room for one new token")
         return prompt_token_ids
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt or token ids")
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))
+
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams) -> None:
         """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""

@@ -36,12 +36,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
                 raise ValueError("chat.messages must not be empty")
-            tokenizer = self.engine.engine.tokenizer
-            if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("chat: this model has no chat template; send text or token_ids")
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                return_dict=False)
-            return None, list(ids)
+            return None, self.engine.engine.chat_prompt_ids(messages)
         raise ValueError("prompt: set one of text, chat or token_ids")
 
     async def Generate(self, request, context):

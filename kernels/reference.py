@@ -39,8 +39,6 @@ class _Group:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    num_tokens: int
-    block_size: int
     slot_blocks: torch.Tensor  # [T] block id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
     groups: list[_Group]
@@ -115,8 +113,6 @@ def build_attention_metadata(
             groups.append(_paged_group([i], query_start, query_lens, context_lens, block_tables, block_size))
     slot_mapping = slot_mapping.long()
     return AttentionMetadata(
-        num_tokens=int(query_lens.sum()),
-        block_size=block_size,
         slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
         slot_offsets=slot_mapping % block_size,
         groups=groups,

@@ -95,14 +95,12 @@ def run_demo(config: EngineConfig, prompts: list[str], max_tokens: int) -> dict:
 
     print(f"loading {config.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(config)
-    tok = engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, prompt in enumerate(prompts):
-        text = prompt
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-        engine.add_request(str(i), None, tok.encode(text), params)
+        if engine.has_chat_template:
+            engine.add_request(str(i), None, engine.chat_prompt_ids([{"role": "user", "content": prompt}]), params)
+        else:
+            engine.add_request(str(i), prompt, None, params)
     texts = {str(i): "" for i in range(len(prompts))}
     start = time.monotonic()
     while engine.has_unfinished_requests():

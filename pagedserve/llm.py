@@ -60,12 +60,7 @@ class LLM:
         """Generate replies to conversations (`[{"role": ..., "content": ...}, ...]`, or a list of
         them) through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True,
-                                                                       return_dict=False)}
-                   for c in conversations]
+        prompts = [{"prompt_token_ids": self.engine.chat_prompt_ids(c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
