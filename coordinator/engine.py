@@ -22,6 +22,7 @@ from coordinator.stats import engine_stats
 from pagedserve.config import EngineConfig, resolve_model
 from workers.executor import InProcessExecutor
 from workers.model_loader import load_hf_config
+from workers.parallel import check_tensor_parallel_size
 
 
 class _Request:
@@ -34,7 +35,7 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor_cls=InProcessExecutor):
+    def __init__(self, config: EngineConfig, executor_cls=None):
         self.config = config
         source = resolve_model(config.model)
         self.model_name = source.name
@@ -51,7 +52,30 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
                              f"context ({model_max_len} tokens)")
+        check_tensor_parallel_size(hf_config, config.tensor_parallel_size)
+        executor_cls = executor_cls or _executor_class(config)
         self.executor = executor_cls(config, source, config.max_model_len or model_max_len)
+        try:
+            num_blocks = self._size_kv_pool(model_max_len)
+            self.executor.init_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker actor outlives a refused configuration
+            raise
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.peak_blocks_used = 0
+        self.num_steps = 0
+
+    def _size_kv_pool(self, model_max_len: int) -> int:
+        """The pool's block count from the workers; sets max_model_len within it."""
+        config = self.config
         num_blocks = self.executor.num_available_blocks()
         pool_tokens = num_blocks * config.block_size
         if num_blocks < 1:
@@ -69,18 +93,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off")
-        self.executor.init_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
-        self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
-        self.requests: dict[str, _Request] = {}
-        self._seq_ids = itertools.count()
-        self._finished_seq_ids: list[int] = []
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.peak_blocks_used = 0
-        self.num_steps = 0
+        return num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
     def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
@@ -237,6 +250,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _executor_class(config: EngineConfig):
+    backend = config.distributed_executor_backend
+    if backend == "ray" or (backend == "auto" and config.tensor_parallel_size > 1):
+        from workers.ray_executor import RayExecutor
+
+        return RayExecutor
+    return InProcessExecutor
 
 
 def _eos_ids(tokenizer, hf_config) -> set[int]:

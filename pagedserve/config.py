@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BLOCK_SIZES = (8, 16, 32)
 _PREEMPTION_MODES = ("recompute",)  # "swap" arrives with the KV store
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+_EXECUTOR_BACKENDS = ("auto", "uni", "ray")
 
 
 @dataclass(slots=True)
@@ -35,6 +36,9 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per step"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: model's)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks"})
+    distributed_executor_backend: str = field(default="auto", metadata={
+        "help": "uni (one worker in this process), ray (a worker actor per rank) or auto "
+                "(ray when tensor_parallel_size > 1 or inside the server)"})
     preemption_mode: str = field(default="recompute", metadata={"help": "how to preempt: recompute"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
@@ -50,10 +54,14 @@ class EngineConfig:
         _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _one_of("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _one_of("device", self.device, ("cpu", "cuda"))
+        _one_of("distributed_executor_backend", self.distributed_executor_backend, _EXECUTOR_BACKENDS)
         _at_least("kv_cache_memory", self.kv_cache_memory, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) > 1 needs "
+                             "distributed_executor_backend 'ray' or 'auto'; 'uni' runs one rank")
         if self.max_model_len is not None:
             _at_least("max_model_len", self.max_model_len, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -90,6 +90,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """Release the workers (the worker actors and their placement group with Ray)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):

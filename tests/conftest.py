@@ -25,7 +25,7 @@ def bundled_tokenizer():
     return _bundled_tokenizer()
 
 
-def _write_tiny_model(path, model_type: str, tokenizer) -> str:
+def _write_tiny_model(path, model_type: str, tokenizer, **overrides) -> str:
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
@@ -36,6 +36,7 @@ def _write_tiny_model(path, model_type: str, tokenizer) -> str:
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   # Large weights give peaked logits: greedy decoding then has no near-ties.
                   initializer_range=0.3, tie_word_embeddings=False)
+    common.update(overrides)
     if model_type == "qwen2":
         config = Qwen2Config(rope_theta=10000.0, **common)
         model = Qwen2ForCausalLM(config)
@@ -63,6 +64,13 @@ def tiny_qwen2(tmp_path_factory, bundled_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory, bundled_tokenizer) -> str:
     return _write_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_one_kv_head(tmp_path_factory, bundled_tokenizer) -> str:
+    """One KV head (replicated under tensor parallelism) and an odd vocabulary (padded shards)."""
+    return _write_tiny_model(tmp_path_factory.mktemp("tiny_llama_1kv"), "llama", bundled_tokenizer,
+                             num_key_value_heads=1, vocab_size=TINY_VOCAB + 3)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.config import ModelSource
 from workers.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, rope_tables
+from workers.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,9 +36,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
+def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, max_positions: int,
+               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    """This rank's shard of the model: every rank reads the checkpoint and keeps its slices."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_positions)
+        model = LlamaForCausalLM(hf_config, max_positions, tp)
     # Buffers (rope tables) are computed, not loaded: build them for real on the target device.
     model = model.to_empty(device=device)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(hf_config, max_positions))

@@ -9,6 +9,7 @@ import kernels
 from pagedserve.config import EngineConfig, ModelSource
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_loader import load_hf_config, load_model, resolve_dtype
+from workers.parallel import TensorParallel
 from workers.sampler import Sampler
 from workers.step_plan import StepOutput, StepPlan
 
@@ -29,14 +30,17 @@ def _use_cpu_kernel(backend: str, device: str, dtype: torch.dtype) -> bool:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, rank: int = 0):
+    """One tensor-parallel rank. Every rank runs the same plan; only rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 tp: TensorParallel = TensorParallel()):
         self.config = config
-        self.rank = rank
+        self.tp = tp
         self.device = config.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.hf_config = load_hf_config(source)
         torch.manual_seed(config.seed)
-        self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len)
+        self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len, tp)
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
@@ -82,5 +86,7 @@ class Worker:
         # The last token of each sequence that needs logits.
         last_token = np.cumsum(plan.query_lens)[plan.sample_indices] - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_token)])
+        if logits is None:  # not rank 0: the logits went to rank 0
+            return StepOutput([], np.zeros(0, dtype=np.int64))
         tokens = self.sampler(logits, plan.sampling)
         return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy())

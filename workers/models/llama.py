@@ -11,6 +11,7 @@ from torch import nn
 
 import kernels
 from kernels import AttentionMetadata
+from workers.parallel import TensorParallel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -61,13 +62,20 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """QKV column-parallel (this rank's heads), O row-parallel plus an all-reduce."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.num_heads = tp.heads(config.num_attention_heads)[1]
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)[1]
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
@@ -85,26 +93,29 @@ class LlamaAttention(nn.Module):
         layer_cache = kv_cache[:, self.layer_idx]
         kernels.write_kv(k, v, layer_cache, meta)
         out = kernels.paged_attention(q, k, v, layer_cache, meta, self.scale)
-        return linear(out.view(t, self.q_size), self.o_proj.weight)
+        return self.tp.all_reduce(linear(out.view(t, self.q_size), self.o_proj.weight))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    """gate/up column-parallel, down row-parallel plus an all-reduce."""
+
+    def __init__(self, config, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = tp.rows(config.intermediate_size)[1]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,34 +125,52 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_positions: int):
+    """One rank's shard of the model (the whole model when `tp.size == 1`)."""
+
+    def __init__(self, config, max_positions: int, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp = tp
+        self.vocab_start, vocab_rows = tp.vocab_rows(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache)."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # shared by every layer
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: rows of other ranks' tokens are zero here; the all-reduce fills them.
+        local = input_ids - self.vocab_start
+        foreign = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.masked_fill(foreign, 0))
+        return self.tp.all_reduce(x.masked_fill(foreign.unsqueeze(-1), 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits `[n, vocab]` on rank 0; None on the other ranks."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight).float().contiguous()
+        logits = self.tp.gather_to_first(linear(hidden, weight))
+        if logits is None:
+            return None
+        return logits[:, :self.config.vocab_size].float().contiguous()
 
     def load_weights(self, named_tensors) -> None:
-        """Take (Hugging Face name, tensor) pairs one at a time, fusing q/k/v and gate/up."""
+        """Take (Hugging Face name, full tensor) pairs one at a time, keep this rank's shard of
+        each, and fuse q/k/v and gate/up."""
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -163,11 +192,15 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             param = params[target]
+            local = self._local_part(name, tensor)
             with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
+                if shard is not None:
+                    param.narrow(0, self._shard_offset(target, shard), local.shape[0]).copy_(local)
+                elif local.shape[0] < param.shape[0]:  # the last rank's padded vocabulary shard
+                    param[:local.shape[0]].copy_(local)
+                    param[local.shape[0]:].zero_()
                 else:
-                    param.narrow(0, self._shard_offset(target, shard), tensor.shape[0]).copy_(tensor)
+                    param.copy_(local)
             loaded.add((target, shard))
         expected = set()
         for name in params:
@@ -181,6 +214,30 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+    def _local_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (a view; the whole tensor at tp=1)."""
+        if self.tp.size == 1:
+            return tensor
+        config, tp = self.config, self.tp
+        head_dim = head_dim_of(config)
+        kind = name.split(".")[-2]
+        if kind in ("q_proj", "o_proj"):
+            first, count = tp.heads(config.num_attention_heads)
+            first, count = first * head_dim, count * head_dim
+        elif kind in ("k_proj", "v_proj"):
+            first, count = tp.kv_heads(config.num_key_value_heads)
+            first, count = first * head_dim, count * head_dim
+        elif kind in ("gate_proj", "up_proj", "down_proj"):
+            first, count = tp.rows(config.intermediate_size)
+        elif kind in ("embed_tokens", "lm_head"):
+            first, count = tp.vocab_rows(config.vocab_size)
+            count = max(0, min(count, config.vocab_size - first))
+        else:  # norms: replicated
+            return tensor
+        # Row-parallel layers (O, down) are split along their input columns.
+        dim = 1 if kind in ("o_proj", "down_proj") else 0
+        return tensor.narrow(dim, first, count)
 
     def _shard_offset(self, target: str, shard: int) -> int:
         attn = self.layers[0].self_attn

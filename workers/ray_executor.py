@@ -1,0 +1,131 @@
+"""RayExecutor: one worker actor per tensor-parallel rank, all in one STRICT_PACK placement group
+(one bundle per rank: a GPU each where there are GPUs, a share of one node's CPUs otherwise),
+joined by a torch.distributed group (gloo on CPU, NCCL on GPU) whose address and port rank 0
+picks at run time. Every step sends the same plan to every rank; rank 0's output has the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedserve.config import EngineConfig, ModelSource
+from workers.step_plan import StepOutput, StepPlan
+
+PLACEMENT_TIMEOUT_S = 120
+
+
+@ray.remote
+class WorkerActor:
+    """Hosts one rank's Worker. Created empty, so that rank 0 can name the group's address first."""
+
+    def __init__(self):
+        self.worker = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a port free right now, for the process group's TCP store."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
+              address: tuple[str, int], num_threads: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from workers.parallel import TensorParallel
+        from workers.worker import Worker
+
+        config = EngineConfig(**config)
+        if config.device == "cpu":
+            torch.set_num_threads(num_threads)
+        if size > 1:
+            backend = "nccl" if config.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
+                                    rank=rank, world_size=size)
+        self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size))
+
+    def num_available_blocks(self) -> int:
+        return self.worker.num_available_blocks()
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.worker.execute(plan)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.worker = None
+
+
+def _cpus_per_rank(size: int) -> int:
+    """An even share of the largest node's CPUs (STRICT_PACK puts every rank on one node)."""
+    largest = max((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]), default=1)
+    return max(1, largest // size)
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        if not ray.is_initialized():
+            ray.init()  # a local cluster, as the offline API with tensor_parallel_size > 1 expects
+        size = config.tensor_parallel_size
+        gpu = config.device == "cuda"
+        cpus = 1 if gpu else _cpus_per_rank(size)
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": cpus}
+        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
+        self.workers: list = []
+        try:
+            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise RuntimeError(
+                    f"tensor_parallel_size={size} needs {size} bundles of {bundle} on one node; the "
+                    f"Ray cluster could not place them in {PLACEMENT_TIMEOUT_S} s "
+                    f"(cluster resources: {ray.cluster_resources()})")
+            self.workers = [
+                WorkerActor.options(
+                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement_group, placement_group_bundle_index=rank)).remote()
+                for rank in range(size)]
+            address = ray.get(self.workers[0].rendezvous_address.remote())
+            config_dict = dataclasses.asdict(config)
+            ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, cpus)
+                     for rank, w in enumerate(self.workers)])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def num_available_blocks(self) -> int:
+        # Every rank holds the same number of blocks (its KV heads of each): the smallest pool wins.
+        return min(ray.get([w.num_available_blocks.remote() for w in self.workers]))
+
+    def init_cache(self, num_blocks: int) -> None:
+        ray.get([w.init_cache.remote(num_blocks) for w in self.workers])
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank
+        return ray.get([w.execute.remote(ref) for w in self.workers])[0]
+
+    def worker_pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
