@@ -72,6 +72,8 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.peak_blocks_used = 0
         self.num_steps = 0
+        self.execute_seconds = 0.0  # executor.execute as the engine sees it
+        self.worker_seconds = 0.0  # of which rank 0 computed; the difference is dispatch overhead
 
     def _size_kv_pool(self, model_max_len: int) -> int:
         """The pool's block count from the workers; sets max_model_len within it."""
@@ -158,7 +160,10 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
+        start = time.perf_counter()
         output = self.executor.execute(plan)
+        self.execute_seconds += time.perf_counter() - start
+        self.worker_seconds += output.worker_seconds
         self.num_steps += 1
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         return self._process(sched, output)

@@ -30,4 +30,7 @@ def engine_stats(engine) -> dict:
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
         "num_steps": engine.num_steps,
+        # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
+        "executor_overhead_us_per_step": (
+            1e6 * (engine.execute_seconds - engine.worker_seconds) / max(1, engine.num_steps)),
     }

@@ -49,3 +49,4 @@ class StepPlan:
 class StepOutput:
     seq_ids: list[int]  # the sequences that sampled a token, in plan order
     token_ids: np.ndarray  # [N] int64
+    worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch

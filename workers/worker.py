@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -68,8 +70,14 @@ class Worker:
             self._gather_workspace = torch.empty(need + need // 4, dtype=self.dtype, device=self.device)
         return self._gather_workspace
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        start = time.perf_counter()
+        output = self._execute(plan)
+        output.worker_seconds = time.perf_counter() - start
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.drop(plan.finished_seq_ids)
         copy_blocks(self.kv_cache, plan.copy)
         if plan.num_tokens == 0:
