@@ -40,6 +40,9 @@ def _run(model: str, **engine_args) -> tuple[list[list[int]], dict, list[int]]:
         tokens = _generate(llm, PROMPTS, MAX_NEW)
         _assert_no_leak(llm)
         stats = llm.stats()
+        # Dispatch overhead is measured apart from rank 0's compute: positive, and a part of the step.
+        engine = llm.engine
+        assert 0 < stats["executor_overhead_us_per_step"] < 1e6 * engine.execute_seconds / engine.num_steps
         pids = llm.engine.executor.worker_pids() if hasattr(llm.engine.executor, "worker_pids") else []
     return tokens, stats, pids
 
