@@ -1,0 +1,102 @@
+"""The whole cluster end to end: the coordinator actor serving gRPC, two tensor-parallel worker
+actors over gloo, clients over a real socket. Tokens must equal the offline API's (TP=1)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+import pagedserve
+from coordinator.actor import CoordinatorActor, config_dict
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
+
+ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_llama):
+    config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    actor = CoordinatorActor.remote()
+    try:
+        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=180)
+        yield f"127.0.0.1:{port}"
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=60)
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    with LLM(tiny_llama, **ENGINE) as llm:
+        yield llm
+
+
+def _wait_for_no_used_blocks(client: pagedserve.Client, seconds: float = 10.0) -> float:
+    deadline = time.monotonic() + seconds
+    while client.stats()["kv_blocks_used"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.stats()["kv_blocks_used"]
+
+
+def test_32_concurrent_streams_give_the_offline_tokens(cluster, offline):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(2, 70))] for _ in range(32)]
+    lengths = [rng.randint(1, 20) for _ in prompts]
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)]
+
+    async def one(client, prompt, n):
+        tokens, chunks = [], 0
+        async for chunk in client.stream(prompt, max_tokens=n, temperature=0.0, ignore_eos=True):
+            tokens += chunk.token_ids
+            chunks += 1
+        return tokens, chunks
+
+    async def all_streams():
+        client = pagedserve.AsyncClient(cluster, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(all_streams())
+    assert [tokens for tokens, _ in results] == expected
+    assert all(chunks >= 1 for _, chunks in results)
+    assert sum(chunks for _, chunks in results) > len(prompts)  # tokens streamed, not sent at the end
+    with pagedserve.Client(cluster, timeout=30) as client:
+        assert _wait_for_no_used_blocks(client) == 0
+
+
+def test_stop_string_spanning_tokens_is_never_streamed(cluster, offline):
+    prompt = [101, 202, 303, 404, 505]
+    full = offline.generate({"prompt_token_ids": prompt},
+                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    tokenizer = offline.get_tokenizer()
+    # A stop string made of the end of one token and the start of the next.
+    boundary = len(tokenizer.decode(full.token_ids[:6], skip_special_tokens=True))
+    stop = full.text[boundary - 2:boundary + 2]
+    assert len(stop) == 4
+    expected_text = full.text[:full.text.find(stop)]
+    with pagedserve.Client(cluster, timeout=60) as client:
+        pieces = [c.text for c in client.stream(prompt, max_tokens=24, temperature=0.0, stop=[stop])]
+        done = client.generate(prompt, max_tokens=24, temperature=0.0, stop=[stop])
+    assert "".join(pieces) == expected_text == done.text
+    assert done.finish_reason == "stop"
+
+
+def test_cancelled_stream_frees_its_blocks_in_the_workers_pool(cluster):
+    with pagedserve.Client(cluster, timeout=60) as client:
+        stream = client.stream(list(range(100, 300)), max_tokens=500, ignore_eos=True)
+        next(stream)  # running now
+        assert client.stats()["kv_blocks_used"] > 0
+        stream.close()  # the client goes away mid-stream
+        assert _wait_for_no_used_blocks(client) == 0
+        after = client.generate([7, 8, 9], max_tokens=3, temperature=0.0)
+        assert len(after.token_ids) == 3
