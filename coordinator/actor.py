@@ -2,44 +2,107 @@
 
 One async actor: the gRPC server and the engine loop share its event loop, and engine steps run
 in a worker thread (see AsyncEngine), so the actor stays responsive while the model computes.
+
+`start` binds the gRPC server first and loads the model in a thread: until the model is loaded
+health says NOT_SERVING and Generate answers UNAVAILABLE. `start(wait=True)` (the default)
+returns once it serves; `start(wait=False)` returns the port at once and `wait_ready()` waits.
+
+`pagedserve serve` creates it as a named actor (ACTOR_NAME in NAMESPACE) so that
+`pagedserve stop` can find it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import ray
 
 from pagedserve.config import EngineConfig
 
+ACTOR_NAME = "pagedserve-coordinator"
+NAMESPACE = "pagedserve"
+
+
 @ray.remote(num_cpus=0)
 class CoordinatorActor:
     def __init__(self):
         self._engine = None
         self._server = None
+        self._load: asyncio.Task | None = None
+        self._closing = False
         self.port = 0
+        self._info: dict = {}
 
     async def start(self, config: dict, host: str = "127.0.0.1", port: int = 50051,
-                    max_queued_requests: int = 1024) -> int:
-        """Load the model, start the engine loop and the gRPC server; returns the bound port."""
-        from coordinator.async_engine import AsyncEngine
-        from coordinator.engine import LLMEngine
-        from coordinator.grpc_server import start_server
+                    max_queued_requests: int = 1024, api_key: str | None = None,
+                    tls_cert: bytes | None = None, tls_key: bytes | None = None, wait: bool = True) -> int:
+        """Bind the gRPC server, then load the model and start the engine loop; returns the bound
+        port. TLS takes the PEM bytes of a certificate chain and its private key."""
+        from coordinator.grpc_server import ServingServer
 
-        engine = LLMEngine(EngineConfig(**config))
-        self._engine = AsyncEngine(engine, max_queued_requests)
-        self._engine.start()
-        self._server, self.port = await start_server(self._engine, host, port)
+        if self._server is not None:
+            raise RuntimeError("this coordinator has already started")
+        engine_config = EngineConfig(**config)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both a certificate and its private key")
+        tls = (tls_cert, tls_key) if tls_cert is not None else None
+        self._server = ServingServer(api_key, tls)
+        self.port = await self._server.start(host, port)
+        self._info = {"model": engine_config.model, "host": host, "port": self.port, "tls": tls is not None,
+                      "auth": bool(api_key)}
+        self._load = asyncio.get_running_loop().create_task(self._load_engine(engine_config, max_queued_requests))
+        self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
+        if wait:
+            await self.wait_ready()
         return self.port
 
+    async def _load_engine(self, config: EngineConfig, max_queued_requests: int) -> None:
+        from coordinator.async_engine import AsyncEngine
+        from coordinator.engine import LLMEngine
+
+        loop = asyncio.get_running_loop()
+        try:
+            # Loading takes seconds to minutes: a thread, never the event loop.
+            engine = await loop.run_in_executor(None, LLMEngine, config)
+        except BaseException as e:
+            await self._server.set_failed(f"the model failed to load: {e}")
+            raise
+        if self._closing:
+            await loop.run_in_executor(None, engine.shutdown)
+            return
+        self._engine = AsyncEngine(engine, max_queued_requests)
+        self._engine.start()
+        await self._server.set_engine(self._engine)
+
+    async def wait_ready(self) -> dict:
+        """Wait until the model is loaded and served; raises the load error if loading failed."""
+        if self._load is None:
+            raise RuntimeError("start() has not been called")
+        await asyncio.shield(self._load)
+        return await self.status()
+
+    async def status(self) -> dict:
+        """model, host, port, tls, auth, and state: loading, serving, failed or stopping (with
+        the reason when not serving)."""
+        if self._server is None:
+            return {"state": "new"}
+        return {**self._info, "state": self._server.state, "reason": self._server.reason}
+
     async def stats(self) -> dict:
+        if self._engine is None:
+            raise RuntimeError(self._server.reason if self._server is not None else "not started")
         return await self._engine.stats()
 
     async def shutdown(self) -> None:
+        """Stop answering (2 s of grace for open streams), stop the engine loop and its workers."""
+        self._closing = True
         if self._server is not None:
             await self._server.stop(grace=2)
         if self._engine is not None:
             await self._engine.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self._engine.engine.shutdown)
+            self._engine = None
 
 
 def config_dict(config: EngineConfig) -> dict:

@@ -22,6 +22,16 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop failed: raised to every request it held, and to every new one."""
+
+    def __init__(self, message: str, request_id: str, cause: BaseException, in_flight: bool):
+        super().__init__(message)
+        self.request_id = request_id
+        self.cause = cause
+        self.in_flight = in_flight  # False: refused before it was queued
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024):
         self.engine = engine
@@ -45,18 +55,29 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:
+                pass  # the loop had failed: self.error holds it, every stream was told
         self._thread.shutdown(wait=True)
 
     @property
     def num_queued(self) -> int:
         return len(self._adds) + len(self.engine.scheduler.waiting)
 
+    async def wait_stopped(self) -> BaseException | None:
+        """Wait until the engine loop ends (stop() or a failure); returns the failure, if any."""
+        if self._task is not None:
+            await asyncio.wait({self._task})
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved here: the failure is self.error
+        return self.error
+
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                        request_id: str = "") -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ValueError for bad input and QueueFullError come before any
         output, with nothing queued."""
         if self.error is not None:
-            raise RuntimeError(f"the engine has stopped: {self.error!r}")
+            raise EngineDeadError(f"the engine has stopped after a failure: {self.error!r}", request_id,
+                                  self.error, in_flight=False)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -72,7 +93,8 @@ class AsyncEngine:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
-                    raise out
+                    raise EngineDeadError(f"the engine failed while serving request {request_id!r}: {out!r}",
+                                          request_id, out, in_flight=True)
                 out.prompt = prompt
                 finished = out.finished
                 yield out
@@ -104,7 +126,7 @@ class AsyncEngine:
         except BaseException as e:  # a bug in a step: fail every stream, refuse new ones
             self.error = e
             for queue in self._streams.values():
-                queue.put_nowait(RuntimeError(f"the engine failed: {e!r}"))
+                queue.put_nowait(e)
             self._streams.clear()
             raise
 

@@ -1,17 +1,31 @@
 """The gRPC face of the engine: `pagedserve.v1.Serving` (streaming Generate, GetStats), the
-standard health service and server reflection, on a grpc.aio server."""
+standard health service and server reflection, on a grpc.aio server.
+
+A server can bind before its engine exists (the model loads in the background): health says
+NOT_SERVING and Serving calls answer UNAVAILABLE until `set_engine`; health turns SERVING then,
+and NOT_SERVING again for good when the engine loop fails. Optional bearer-token auth (an
+interceptor) guards the Serving methods; health and reflection stay open. Optional TLS.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.async_engine import AsyncEngine, QueueFullError
+from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from coordinator.sampling_params import SamplingParams
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+log = logging.getLogger("pagedserve.server")
 
 
 def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
@@ -23,8 +37,48 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, engine: AsyncEngine):
+    """Serving methods plus the server's state: loading -> serving -> failed (or stopping)."""
+
+    def __init__(self):
+        self.engine: AsyncEngine | None = None
+        self.health = health.aio.HealthServicer()
+        self.state = "loading"
+        self.reason = "the model is still loading"
+        self._watcher: asyncio.Task | None = None
+
+    async def _set_health(self, status) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def set_engine(self, engine: AsyncEngine) -> None:
+        """The model is loaded and the engine loop runs: serve."""
         self.engine = engine
+        self.state, self.reason = "serving", ""
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(engine))
+        await self._set_health(_SERVING)
+
+    async def set_failed(self, reason: str) -> None:
+        """Loading failed: stay NOT_SERVING and answer UNAVAILABLE with the reason."""
+        self.state, self.reason = "failed", reason
+        await self._set_health(_NOT_SERVING)
+
+    async def _watch(self, engine: AsyncEngine) -> None:
+        error = await engine.wait_stopped()
+        if error is not None:
+            await self._engine_died(error)
+
+    async def _engine_died(self, error: BaseException) -> None:
+        if self.state == "failed":
+            return
+        log.error("the engine loop failed: %r; health is NOT_SERVING from now on", error)
+        await self.set_failed(f"the engine failed: {error!r}")
+
+    async def stopping(self) -> None:
+        if self.state == "serving":
+            self.state, self.reason = "stopping", "the server is shutting down"
+        await self.health.enter_graceful_shutdown()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
     def _prompt(self, request: serving_pb2.GenerateRequest) -> tuple[str | None, list[int] | None]:
         kind = request.WhichOneof("prompt")
@@ -39,7 +93,15 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             return None, self.engine.engine.chat_prompt_ids(messages)
         raise ValueError("prompt: set one of text, chat or token_ids")
 
+    async def _dead(self, e: EngineDeadError, context) -> None:
+        """The engine failed under a request it held: a bug, so INTERNAL, logged with the request id."""
+        log.error("request %s failed: the engine loop raised %r", e.request_id, e.cause)
+        await self._engine_died(e.cause)
+        await context.abort(grpc.StatusCode.INTERNAL, str(e))
+
     async def Generate(self, request, context):
+        if self.state != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
         try:
             prompt, token_ids = self._prompt(request)
             params = sampling_from_proto(request.sampling)
@@ -49,7 +111,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except RuntimeError as e:
+        except EngineDeadError as e:
+            if e.in_flight:
+                await self._dead(e, context)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
             out = first
@@ -57,13 +121,18 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                 yield _response(out)
                 if out.finished:
                     break
-                out = await anext(stream)
+                try:
+                    out = await anext(stream)
+                except EngineDeadError as e:
+                    await self._dead(e, context)
         finally:
             # A cancelled or expired stream arrives here as CancelledError: closing the stream
             # now aborts the request and frees its blocks before the next step.
             await stream.aclose()
 
     async def GetStats(self, request, context):
+        if self.state != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
         stats = await self.engine.stats()
         return serving_pb2.GetStatsResponse(stats={k: float(v) for k, v in stats.items()})
 
@@ -88,18 +157,109 @@ def _response(out) -> serving_pb2.GenerateResponse:
     return resp
 
 
-async def start_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051) -> tuple[grpc.aio.Server, int]:
-    """Serve on host:port (port 0 picks a free one); returns the server and its port."""
-    # so_reuseport=0: otherwise a second server binds the same port silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(engine), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Serving methods need `authorization: Bearer <token>`; anything else answers UNAUTHENTICATED.
+    Other services (health, reflection) stay open, so that probes need no secret."""
+
+    def __init__(self, token: str, guarded_prefix: str = f"/{SERVICE_NAME}/"):
+        if not token:
+            raise ValueError("the API key must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._prefix = guarded_prefix
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self._prefix):
+            return handler
+        got = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value if isinstance(value, str) else value.decode("latin-1")
+        if got and hmac.compare_digest(got.encode("utf-8", "replace"), self._expected):
+            return handler
+        why = "wrong bearer token" if got else "missing bearer token (metadata 'authorization: Bearer <key>')"
+        return _refusal(handler, why)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+class ServingServer:
+    """The grpc.aio server: Serving (+ optional bearer auth), health, reflection, optional TLS.
+
+        server = ServingServer(api_key="...", tls=(cert_pem, key_pem))
+        port = await server.start("127.0.0.1", 0)   # bound: NOT_SERVING, Generate -> UNAVAILABLE
+        await server.set_engine(async_engine)       # SERVING until the engine loop fails
+        await server.stop(grace=2)
+    """
+
+    def __init__(self, api_key: str | None = None, tls: tuple[bytes, bytes] | None = None):
+        self.servicer = ServingServicer()
+        interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+        self.tls = tls
+        self.auth = bool(api_key)
+        # so_reuseport=0: otherwise a second server binds the same port silently.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+        serving_pb2_grpc.add_ServingServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer.health, self.server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        self.port = 0
+
+    @property
+    def state(self) -> str:
+        return self.servicer.state
+
+    @property
+    def reason(self) -> str:
+        return self.servicer.reason
+
+    async def start(self, host: str = "127.0.0.1", port: int = 50051) -> int:
+        """Bind host:port (port 0 picks a free one) and start answering; returns the bound port."""
+        await self.servicer._set_health(_NOT_SERVING)
+        address = f"{host}:{port}"
+        try:
+            if self.tls is not None:
+                cert, key = self.tls
+                bound = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                bound = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
+            raise OSError(f"cannot bind {address}: {e}") from None
+        if bound == 0:
+            raise OSError(f"cannot bind {address}")
+        await self.server.start()
+        self.port = bound
+        return bound
+
+    async def set_engine(self, engine: AsyncEngine) -> None:
+        await self.servicer.set_engine(engine)
+
+    async def set_failed(self, reason: str) -> None:
+        await self.servicer.set_failed(reason)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.servicer.stopping()
+        await self.server.stop(grace)
+
+
+async def start_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051,
+                       api_key: str | None = None, tls: tuple[bytes, bytes] | None = None
+                       ) -> tuple[ServingServer, int]:
+    """Serve an engine that already runs on host:port; returns the server and its port."""
+    server = ServingServer(api_key, tls)
+    bound = await server.start(host, port)
+    await server.set_engine(engine)
     return server, bound

@@ -1,4 +1,5 @@
-"""The `pagedserve` command line: flags generated from EngineConfig, the offline demo."""
+"""The `pagedserve` command line: flags generated from EngineConfig, the offline demo (the server:
+test_serve_cli.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,27 @@ def test_every_engine_knob_is_a_flag():
 
 
 def test_bad_flag_value_exits_with_the_field_named(capsys):
-    assert cli.main(["serve", "--block-size", "12"]) == 2
+    assert cli.main(["serve", "--block-size", "12"]) == 2  # refused before any Ray starts
     assert "block_size must be one of 8, 16, 32" in capsys.readouterr().err
+    assert cli.main(["demo", "--block-size", "12"]) == 2
+
+
+def test_tls_flags_go_together(capsys, tmp_path):
+    assert cli.main(["serve", "--tls-cert", str(tmp_path / "cert.pem")]) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    assert cli.main(["serve", "--tls-cert", str(tmp_path / "a"), "--tls-key", str(tmp_path / "b")]) == 2
+    assert "cannot read the TLS files" in capsys.readouterr().err
+
+
+def test_client_commands_take_auth_and_tls_flags():
+    parser = cli.build_parser()
+    for command in (["generate", "hi"], ["stats"]):
+        args = parser.parse_args(command + ["--api-key", "k", "--tls-ca", "ca.pem", "--target", "h:1"])
+        assert (args.api_key, args.tls_ca, args.target) == ("k", "ca.pem", "h:1")
 
 
 def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):
-    assert cli.main(["serve", "--model", tiny_llama, "--kv-cache-memory", str(1 << 22),
+    assert cli.main(["demo", "--model", tiny_llama, "--kv-cache-memory", str(1 << 22),
                      "--max-tokens", "5", "--prompt", "Hello", "--prompt", "World"]) == 0
     out = capsys.readouterr().out
     assert "### Hello" in out and "### World" in out

@@ -25,3 +25,25 @@ def test_coordinator_actor_serves_the_same_tokens_as_the_offline_api(ray_session
     finally:
         ray.get(actor.shutdown.remote(), timeout=30)
         ray.kill(actor)
+
+
+def test_coordinator_binds_first_and_stays_not_serving_when_the_model_fails_to_load(ray_session, tmp_path):
+    import grpc
+    import pytest
+
+    config = config_dict(EngineConfig(model=str(tmp_path / "no-such-model"), kv_cache_memory=1 << 24))
+    actor = CoordinatorActor.remote()
+    try:
+        port = ray.get(actor.start.remote(config, "127.0.0.1", 0, wait=False), timeout=60)
+        with pytest.raises(ValueError, match="no-such-model"):
+            ray.get(actor.wait_ready.remote(), timeout=60)
+        status = ray.get(actor.status.remote())
+        assert status["state"] == "failed" and "failed to load" in status["reason"]
+        with pagedserve.Client(f"127.0.0.1:{port}", timeout=30) as client:
+            assert not client.health()  # bound, answering, NOT_SERVING
+            with pytest.raises(pagedserve.ServingError) as info:
+                client.generate("Hello", max_tokens=2)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no-such-model" in info.value.details
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=30)
+        ray.kill(actor)
