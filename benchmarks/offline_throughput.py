@@ -50,25 +50,24 @@ class Request:
 
 
 # ---- arguments -----------------------------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and engine flags every benchmark here shares."""
     p.add_argument("--num-requests", type=int, default=64)
     # A min left unset follows a max set below it, so a smoke test needs only the max flags.
     p.add_argument("--prompt-len-min", type=int, default=None, help="default 20")
     p.add_argument("--prompt-len-max", type=int, default=600)
     p.add_argument("--output-len-min", type=int, default=None, help="default 16")
     p.add_argument("--output-len-max", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16, help="static batch of the HF baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES),
-                   help="weights and KV dtype of both engines")
+                   help="weights and KV dtype of every engine")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="pagedserve KV pool bytes")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--skip-baseline", action="store_true", help="time pagedserve only")
-    p.add_argument("--result-json", default="benchmarks/results/offline_throughput.json")
-    args = p.parse_args(argv)
+
+
+def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     if args.prompt_len_min is None:
         args.prompt_len_min = min(20, args.prompt_len_max)
     if args.output_len_min is None:
@@ -78,6 +77,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 1 <= args.output_len_min <= args.output_len_max:
         p.error("need 1 <= --output-len-min <= --output-len-max")
     return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
+    p.add_argument("--batch-size", type=int, default=16, help="static batch of the HF baseline")
+    p.add_argument("--skip-baseline", action="store_true", help="time pagedserve only")
+    p.add_argument("--result-json", default="benchmarks/results/offline_throughput.json")
+    return check_workload_args(p, p.parse_args(argv))
 
 
 # ---- timing --------------------------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Serving throughput: the whole cluster over gRPC against the offline API, on one workload.
+
+The workload is the offline benchmark's (seeded windows of real English text, per-request output
+lengths, EOS ignored). In one run:
+
+- **offline**: `LLM.generate` over all requests in this process (the engine with no server);
+- **served**: `pagedserve serve` started as a user starts it (local Ray, the coordinator actor,
+  one worker actor per tensor-parallel rank), all requests sent at once as concurrent gRPC
+  streams from an `AsyncClient`, timed from the first send to the last token received.
+
+It reports both throughputs, their ratio (served / offline), whether the greedy tokens agree,
+and the server's own figure of what the executor adds per engine step beyond rank 0's compute
+(`executor_overhead_us_per_step`: Ray actor calls and serialization).
+
+    .venv/bin/python benchmarks/serving_throughput.py
+    .venv/bin/python benchmarks/serving_throughput.py --num-requests 8 --prompt-len-max 60 --output-len-max 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import offline_throughput as workload  # noqa: E402  (the same workload and stopwatch)
+
+import pagedserve  # noqa: E402
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload.add_workload_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--server-start-timeout", type=float, default=300.0)
+    p.add_argument("--result-json", default="benchmarks/results/serving_throughput.json")
+    return workload.check_workload_args(p, p.parse_args(argv))
+
+
+def engine_flags(args) -> dict:
+    return dict(model=workload.MODEL, dtype=args.dtype, block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+# ---- offline -------------------------------------------------------------------------------------
+def run_offline(args, requests) -> dict:
+    llm = LLM(**engine_flags(args))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)  # first-call costs
+    prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    with workload.Stopwatch() as watch:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    llm.shutdown()
+    del llm
+    gc.collect()
+    return {"watch": watch, "outputs": [list(o.outputs[0].token_ids) for o in outs], "stats": stats}
+
+
+# ---- served --------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    for name, value in engine_flags(args).items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_healthy(target: str, server: subprocess.Popen, timeout: float) -> float:
+    start = time.monotonic()
+    with pagedserve.Client(target, timeout=2) as client:
+        while time.monotonic() - start < timeout:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode} before serving")
+            try:
+                if client.health():
+                    return time.monotonic() - start
+            except pagedserve.ServingError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"the server did not report SERVING within {timeout} s")
+
+
+async def send_all(target: str, requests) -> list[list[int]]:
+    client = pagedserve.AsyncClient(target)
+    try:
+        await client.generate([1, 2, 3], max_tokens=2, temperature=0.0)  # first-call costs
+        return await asyncio.gather(*(_tokens(client, r) for r in requests))
+    finally:
+        await client.close()
+
+
+async def _tokens(client, request) -> list[int]:
+    out = await client.generate(request.prompt_ids, max_tokens=request.max_tokens, temperature=0.0,
+                                ignore_eos=True)
+    return out.token_ids
+
+
+def run_served(args, requests) -> dict:
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    server = start_server(args, port)
+    try:
+        startup_s = wait_healthy(target, server, args.server_start_timeout)
+        with pagedserve.Client(target, timeout=30) as client:
+            before = client.stats()
+        loop = asyncio.new_event_loop()
+        with workload.Stopwatch() as watch:
+            outputs = loop.run_until_complete(send_all(target, requests))
+        loop.close()
+        with pagedserve.Client(target, timeout=30) as client:
+            stats = client.stats()
+    finally:
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    steps = stats["num_steps"] - before["num_steps"]
+    overhead_us = ((stats["executor_overhead_us_per_step"] * stats["num_steps"]
+                    - before["executor_overhead_us_per_step"] * before["num_steps"]) / max(1, steps))
+    return {"watch": watch, "outputs": outputs, "stats": stats, "startup_s": startup_s,
+            "steps": steps, "executor_overhead_us_per_step": overhead_us}
+
+
+# ---- report --------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tokenizer, _ = workload.load_tokenizer_and_config()
+    requests = workload.make_workload(tokenizer, args)
+    prompt, generated = workload.useful_tokens(requests)
+    offline = run_offline(args, requests)
+    served = run_served(args, requests)
+    rows = {}
+    for name, res in (("offline", offline), ("served", served)):
+        seconds = res["watch"].seconds
+        rows[name] = {"seconds": seconds, "other_cpu_share": res["watch"].other_cpu_share,
+                      "total_tokens_per_s": (prompt + generated) / seconds,
+                      "generated_tokens_per_s": generated / seconds}
+    result = {
+        "args": vars(args), "requests": len(requests), "prompt_tokens": prompt, "generated_tokens": generated,
+        **rows,
+        "served_over_offline": rows["served"]["total_tokens_per_s"] / rows["offline"]["total_tokens_per_s"],
+        "identical_outputs": sum(a == b for a, b in zip(offline["outputs"], served["outputs"])),
+        "server_startup_s": served["startup_s"],
+        "server_steps": served["steps"],
+        "executor_overhead_us_per_step": served["executor_overhead_us_per_step"],
+        "offline_executor_overhead_us_per_step": offline["stats"]["executor_overhead_us_per_step"],
+    }
+    print(f"workload: {len(requests)} requests, {prompt} prompt + {generated} generated tokens, "
+          f"{args.dtype}, tensor_parallel_size={args.tensor_parallel_size}")
+    for name in ("offline", "served"):
+        r = rows[name]
+        share = "n/a" if r["other_cpu_share"] is None else f"{100 * r['other_cpu_share']:.1f}%"
+        print(f"  {name:8s} {r['seconds']:8.2f} s  {r['total_tokens_per_s']:8.1f} tok/s total  "
+              f"{r['generated_tokens_per_s']:7.1f} gen tok/s  (other processes' CPU {share})")
+    print(f"  served / offline throughput: {result['served_over_offline']:.3f}")
+    print(f"  identical greedy outputs: {result['identical_outputs']} of {len(requests)}")
+    print(f"  executor overhead per step: served {result['executor_overhead_us_per_step']:.0f} us "
+          f"(Ray, {served['steps']} steps), offline {result['offline_executor_overhead_us_per_step']:.0f} us "
+          f"(in process)")
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.result_json).write_text(json.dumps(result, indent=2))
+    print(f"  figures: {args.result_json}")
+
+
+if __name__ == "__main__":
+    main()
