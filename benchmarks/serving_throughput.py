@@ -139,7 +139,7 @@ def run_served(args, requests) -> dict:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    steps = stats["num_steps"] - before["num_steps"]
+    steps = int(stats["num_steps"] - before["num_steps"])
     overhead_us = ((stats["executor_overhead_us_per_step"] * stats["num_steps"]
                     - before["executor_overhead_us_per_step"] * before["num_steps"]) / max(1, steps))
     return {"watch": watch, "outputs": outputs, "stats": stats, "startup_s": startup_s,

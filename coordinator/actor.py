@@ -44,6 +44,9 @@ class CoordinatorActor:
         if self._server is not None:
             raise RuntimeError("this coordinator has already started")
         engine_config = EngineConfig(**config)
+        if engine_config.distributed_executor_backend == "auto":
+            # The server is the disaggregated shape: the engine here, the model in worker actors.
+            engine_config = engine_config.replace(distributed_executor_backend="ray")
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate and its private key")
         tls = (tls_cert, tls_key) if tls_cert is not None else None
