@@ -160,8 +160,27 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _ray_token_auth_env(address: str | None) -> None:
+    """Ray 2.60 turns token auth on for clusters started by ray.init(), but a client joining with
+    an explicit address sends its token only when RAY_AUTH_MODE=token, and Ray reads that when it
+    is imported. Sending a token to a cluster without auth does no harm: send it whenever one is
+    at hand."""
+    if address is None or "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+            os.path.isfile(os.path.expanduser("~/.ray/auth_token")):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # imported already (main() called in-process): refresh its config
+            try:
+                from ray._raylet import Config
+                Config.initialize("")
+            except Exception:
+                pass
+
+
 def _connect_ray(address: str | None) -> None:
     """Start a local Ray (address None) or join a running cluster ('auto' or host:port)."""
+    _ray_token_auth_env(address)
     import ray
 
     from coordinator.actor import NAMESPACE
@@ -169,15 +188,8 @@ def _connect_ray(address: str | None) -> None:
     if address is None:
         # "local": a new cluster even when another runs on this machine; it ends with this process.
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False)
-        return
-    # Ray 2.60 turns token auth on for clusters started by ray.init(), but a client joining with an
-    # explicit address only sends the token when RAY_AUTH_MODE=token. Sending it to a cluster
-    # without auth does no harm, so send it whenever a token is at hand.
-    token_at_hand = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
-        os.path.isfile(os.path.expanduser("~/.ray/auth_token"))
-    if "RAY_AUTH_MODE" not in os.environ and token_at_hand:
-        os.environ["RAY_AUTH_MODE"] = "token"
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
 def _connect_or_explain(address: str | None) -> bool:
@@ -238,14 +250,13 @@ def run_serve(args, config: EngineConfig) -> int:
     except ValueError as e:
         _err(f"error: {e}")
         return 2
-    import ray
-
-    from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
-
     address = args.address or ("auto" if args.detach else None)
     api_key = _api_key(args)
     if not _connect_or_explain(address):
         return 1
+    import ray
+
+    from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
     # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     actor = None
@@ -311,12 +322,11 @@ def _serve_until_stopped(actor) -> int:
 
 
 def run_stop(args) -> int:
+    if not _connect_or_explain(args.address):
+        return 1
     import ray
 
     from coordinator.actor import ACTOR_NAME, NAMESPACE
-
-    if not _connect_or_explain(args.address):
-        return 1
     try:
         try:
             actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
