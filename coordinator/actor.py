@@ -92,6 +92,11 @@ class CoordinatorActor:
             return {"state": "new"}
         return {**self._info, "state": self._server.state, "reason": self._server.reason}
 
+    async def worker_pids(self) -> list[int]:
+        """The process ids of the worker actors (for operators and fault tests)."""
+        executor = self._engine.engine.executor if self._engine is not None else None
+        return executor.worker_pids() if hasattr(executor, "worker_pids") else []
+
     async def stats(self) -> dict:
         if self._engine is None:
             raise RuntimeError(self._server.reason if self._server is not None else "not started")

@@ -4,9 +4,12 @@ actors over gloo, clients over a real socket. Tokens must equal the offline API'
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
+import grpc
 import pytest
 import ray
 
@@ -100,3 +103,31 @@ def test_cancelled_stream_frees_its_blocks_in_the_workers_pool(cluster):
         assert _wait_for_no_used_blocks(client) == 0
         after = client.generate([7, 8, 9], max_tokens=3, temperature=0.0)
         assert len(after.token_ids) == 3
+
+
+def test_a_killed_worker_fails_its_streams_and_turns_health_off(ray_session, tiny_llama):
+    config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, **ENGINE)
+    actor = CoordinatorActor.remote()
+    try:
+        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=180)
+        pids = ray.get(actor.worker_pids.remote())
+        assert len(pids) == 2
+        with pagedserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
+            assert client.health()
+            stream = client.stream(list(range(100, 200)), max_tokens=800, ignore_eos=True)
+            next(stream)
+            os.kill(pids[1], signal.SIGKILL)  # rank 1 dies mid-stream
+            with pytest.raises(pagedserve.ServingError) as err:
+                for _ in stream:
+                    pass
+            assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+            deadline = time.monotonic() + 30
+            while client.health() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not client.health()
+            with pytest.raises(pagedserve.ServingError) as err:
+                client.generate([1, 2, 3], max_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=60)
+        ray.kill(actor)
