@@ -87,12 +87,17 @@ class Client:
         self.timeout = timeout
 
     def stream(self, prompt, request_id: str = "", **sampling) -> Iterator[Chunk]:
+        """Chunks as the server sends them. Closing the iterator early cancels the request, and
+        the server frees its blocks at once."""
+        call = self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                   timeout=self.timeout, metadata=self._metadata)
         try:
-            for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
-                                            timeout=self.timeout, metadata=self._metadata):
+            for resp in call:
                 yield Chunk(list(resp.token_ids), resp.text)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
 
     def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
         completion = Completion()
@@ -140,12 +145,15 @@ class AsyncClient:
         self.timeout = timeout
 
     async def stream(self, prompt, request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
+        call = self._stub.Generate(build_request(prompt, request_id, **sampling),
+                                   timeout=self.timeout, metadata=self._metadata)
         try:
-            async for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
-                                                  timeout=self.timeout, metadata=self._metadata):
+            async for resp in call:
                 yield Chunk(list(resp.token_ids), resp.text)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
+        finally:
+            call.cancel()
 
     async def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
         completion = Completion()
