@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import ray
 
@@ -27,6 +28,9 @@ NAMESPACE = "pagedserve"
 @ray.remote(num_cpus=0)
 class CoordinatorActor:
     def __init__(self):
+        # The engine's ray.get calls (worker actors) run in threads, never on this actor's event
+        # loop; Ray's warning about blocking gets in async actors would only mislead.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self._engine = None
         self._server = None
         self._load: asyncio.Task | None = None

@@ -257,8 +257,10 @@ def run_serve(args, config: EngineConfig) -> int:
     import ray
 
     from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
-    # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does.
+    # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does. SIGINT
+    # too, explicitly: a shell starting us in the background (`&`) leaves SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     actor = None
     try:
         options = {"name": ACTOR_NAME, "namespace": NAMESPACE}
