@@ -178,7 +178,7 @@ def _ray_token_auth_env(address: str | None) -> None:
                 pass
 
 
-def _connect_ray(address: str | None) -> None:
+def _connect_ray(address: str | None, tensor_parallel_size: int = 1) -> None:
     """Start a local Ray (address None) or join a running cluster ('auto' or host:port)."""
     _ray_token_auth_env(address)
     import ray
@@ -187,14 +187,17 @@ def _connect_ray(address: str | None) -> None:
 
     if address is None:
         # "local": a new cluster even when another runs on this machine; it ends with this process.
-        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False)
+        # At least one logical CPU per tensor-parallel rank, so that any size that divides the
+        # model can be placed here, oversubscribed or not.
+        cpus = max(os.cpu_count() or 1, tensor_parallel_size)
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
-def _connect_or_explain(address: str | None) -> bool:
+def _connect_or_explain(address: str | None, tensor_parallel_size: int = 1) -> bool:
     try:
-        _connect_ray(address)
+        _connect_ray(address, tensor_parallel_size)
     except Exception as e:  # ConnectionError, AuthenticationError, ...
         hint = ""
         if address is not None:
@@ -252,7 +255,7 @@ def run_serve(args, config: EngineConfig) -> int:
         return 2
     address = args.address or ("auto" if args.detach else None)
     api_key = _api_key(args)
-    if not _connect_or_explain(address):
+    if not _connect_or_explain(address, config.tensor_parallel_size):
         return 1
     import ray
 
