@@ -11,7 +11,9 @@ everything started over ssh sees, and can stop, only the processes of that names
 test run's own Ray session or anything else on the machine; killing sshd ends the namespace and
 whatever is left in it. The ssh login gets its own HOME (sshd's SetEnv) whose ~/.profile puts
 this venv's bin on the PATH: a login shell (`bash --login`, which Ray uses) reads /etc/profile,
-which resets PATH, and then ~/.profile. Nothing is written to the real home or to /etc.
+which resets PATH, and then ~/.profile. Ray's `auth` has no ssh port setting, so the launcher
+reaches the free port through a ProxyCommand (a small relay script). Apart from installing the Debian packages when they are
+missing (openssh-server, rsync) and sshd's /run/sshd, nothing is written outside a temp folder.
 """
 
 from __future__ import annotations
