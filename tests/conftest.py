@@ -78,6 +78,7 @@ def ray_session():
     """One local Ray session for the whole test run (starting one costs seconds)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # 4 logical CPUs on 2 cores: room for SmolLM2 at tensor_parallel_size=3 (9 heads, 3 KV heads).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

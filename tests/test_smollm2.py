@@ -73,3 +73,15 @@ def test_smollm2_same_tokens_under_preemption_and_prefix_hits(smollm2):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert tight == roomy
     assert stats["kv_blocks_used"] == 0
+
+
+def test_smollm2_tensor_parallel_3_gives_the_tokens_of_one_rank(ray_session, smollm2):
+    """Three worker actors over gloo, one KV head each (of 3) and a third of every weight matrix."""
+    tok = smollm2.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    with LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=1 << 28, tensor_parallel_size=3) as tp3:
+        three = [o.outputs[0].token_ids for o in tp3.generate(prompts, params, use_tqdm=False)]
+        assert tp3.stats()["kv_blocks_total"] == 3 * smollm2.stats()["kv_blocks_total"]
+    assert three == one

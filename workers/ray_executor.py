@@ -44,7 +44,8 @@ class WorkerActor:
 
         config = EngineConfig(**config)
         if config.device == "cpu":
-            torch.set_num_threads(num_threads)
+            # Never more threads than cores per rank: logical CPUs may oversubscribe the node.
+            torch.set_num_threads(max(1, min(num_threads, (os.cpu_count() or 1) // size)))
         if size > 1:
             backend = "nccl" if config.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
