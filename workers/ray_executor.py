@@ -1,5 +1,5 @@
 """RayExecutor: one worker actor per tensor-parallel rank, all in one STRICT_PACK placement group
-(one bundle per rank: a GPU each where there are GPUs, a share of one node's CPUs otherwise),
+(one bundle per rank: a GPU each where there are GPUs, one CPU otherwise),
 joined by a torch.distributed group (gloo on CPU, NCCL on GPU) whose address and port rank 0
 picks at run time. Every step sends the same plan to every rank; rank 0's output has the tokens.
 """
@@ -35,7 +35,7 @@ class WorkerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
-              address: tuple[str, int], num_threads: int) -> None:
+              address: tuple[str, int]) -> None:
         import torch
         import torch.distributed as dist
 
@@ -44,8 +44,9 @@ class WorkerActor:
 
         config = EngineConfig(**config)
         if config.device == "cpu":
-            # Never more threads than cores per rank: logical CPUs may oversubscribe the node.
-            torch.set_num_threads(max(1, min(num_threads, (os.cpu_count() or 1) // size)))
+            # The bundle reserves one logical CPU so that servers can share a node; the threads
+            # take this rank's share of the node's cores (all of them at tensor_parallel_size 1).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         if size > 1:
             backend = "nccl" if config.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
@@ -72,20 +73,13 @@ class WorkerActor:
         self.worker = None
 
 
-def _cpus_per_rank(size: int) -> int:
-    """An even share of the largest node's CPUs (STRICT_PACK puts every rank on one node)."""
-    largest = max((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]), default=1)
-    return max(1, largest // size)
-
-
 class RayExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         if not ray.is_initialized():
             ray.init()  # a local cluster, as the offline API with tensor_parallel_size > 1 expects
         size = config.tensor_parallel_size
         gpu = config.device == "cuda"
-        cpus = 1 if gpu else _cpus_per_rank(size)
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": cpus}
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
         self.workers: list = []
         try:
@@ -103,7 +97,7 @@ class RayExecutor:
                 for rank in range(size)]
             address = ray.get(self.workers[0].rendezvous_address.remote())
             config_dict = dataclasses.asdict(config)
-            ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, cpus)
+            ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address)
                      for rank, w in enumerate(self.workers)])
         except BaseException:
             self.shutdown()
