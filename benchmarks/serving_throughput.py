@@ -3,7 +3,8 @@
 The workload is the offline benchmark's (seeded windows of real English text, per-request output
 lengths, EOS ignored). In one run:
 
-- **offline**: `LLM.generate` over all requests in this process (the engine with no server);
+- **offline**: `LLM.generate` over all requests in this process (the engine with no server; with
+  `--tensor-parallel-size` > 1 its ranks are Ray worker actors too);
 - **served**: `pagedserve serve` started as a user starts it (local Ray, the coordinator actor,
   one worker actor per tensor-parallel rank), all requests sent at once as concurrent gRPC
   streams from an `AsyncClient`, timed from the first send to the last token received.
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def engine_flags(args) -> dict:
     return dict(model=workload.MODEL, dtype=args.dtype, block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
@@ -81,12 +82,11 @@ def _free_port() -> int:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
-           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port)]
     for name, value in engine_flags(args).items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    # The server's stderr passes through: a refused configuration says why there.
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def wait_healthy(target: str, server: subprocess.Popen, timeout: float) -> float:
@@ -134,11 +134,12 @@ def run_served(args, requests) -> dict:
         with pagedserve.Client(target, timeout=30) as client:
             stats = client.stats()
     finally:
-        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
     steps = int(stats["num_steps"] - before["num_steps"])
     overhead_us = ((stats["executor_overhead_us_per_step"] * stats["num_steps"]
                     - before["executor_overhead_us_per_step"] * before["num_steps"]) / max(1, steps))

@@ -75,9 +75,11 @@ class WorkerActor:
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
-        if not ray.is_initialized():
-            ray.init()  # a local cluster, as the offline API with tensor_parallel_size > 1 expects
         size = config.tensor_parallel_size
+        if not ray.is_initialized():
+            # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
+            # logical CPU per rank even where the ranks outnumber the cores.
+            ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
         gpu = config.device == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")

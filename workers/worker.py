@@ -31,6 +31,12 @@ def _use_cpu_kernel(backend: str, device: str, dtype: torch.dtype) -> bool:
     return usable and cpu.available()
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing the array's memory; a copy when the array is read-only (a plan that came
+    through Ray arrives in read-only buffers, which torch must not alias)."""
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
 class Worker:
     """One tensor-parallel rank. Every rank runs the same plan; only rank 0 samples."""
 
@@ -83,11 +89,11 @@ class Worker:
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
         meta = kernels.build_attention_metadata(
-            torch.from_numpy(plan.query_lens), torch.from_numpy(plan.context_lens),
-            torch.from_numpy(plan.block_tables), torch.from_numpy(plan.slot_mapping),
+            _tensor(plan.query_lens), _tensor(plan.context_lens),
+            _tensor(plan.block_tables), _tensor(plan.slot_mapping),
             self.config.block_size, self._max_gather_tokens, self._cpu_decode_kernel)
         meta.workspace = self._workspace(meta.max_gathered_blocks)
-        hidden = self.model(torch.from_numpy(plan.input_ids), torch.from_numpy(plan.positions),
+        hidden = self.model(_tensor(plan.input_ids), _tensor(plan.positions),
                             self.kv_cache, meta)
         if len(plan.sample_indices) == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
