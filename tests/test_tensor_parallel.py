@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from tests.reference import assert_same_or_near_tie, hf_greedy
 from tests.test_model_correctness import _assert_no_leak, _generate, _prompts
 

@@ -1,0 +1,211 @@
+"""`pagedserve serve` and `pagedserve stop`: the coordinator actor in a local or joined Ray cluster.
+
+The CLI's parser lives in `pagedserve/cli.py`; this module is what those two commands do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from pagedserve.config import EngineConfig
+
+def _err(message: str) -> None:
+    print(f"pagedserve: {message}", file=sys.stderr, flush=True)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ray_token_auth_env(address: str | None) -> None:
+    """Ray 2.60 turns token auth on for clusters started by ray.init(), but a client joining with
+    an explicit address sends its token only when RAY_AUTH_MODE=token, and Ray reads that when it
+    is imported. Sending a token to a cluster without auth does no harm: send it whenever one is
+    at hand."""
+    if address is None or "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+            os.path.isfile(os.path.expanduser("~/.ray/auth_token")):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # imported already (main() called in-process): refresh its config
+            try:
+                from ray._raylet import Config
+                Config.initialize("")
+            except Exception:
+                pass
+
+
+def _connect_ray(address: str | None, tensor_parallel_size: int = 1) -> None:
+    """Start a local Ray (address None) or join a running cluster ('auto' or host:port)."""
+    _ray_token_auth_env(address)
+    import ray
+
+    from coordinator.actor import NAMESPACE
+
+    if address is None:
+        # "local": a new cluster even when another runs on this machine; it ends with this process.
+        # At least one logical CPU per tensor-parallel rank, so that any size that divides the
+        # model can be placed here, oversubscribed or not.
+        cpus = max(os.cpu_count() or 1, tensor_parallel_size)
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
+    else:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def _connect_or_explain(address: str | None, tensor_parallel_size: int = 1) -> bool:
+    try:
+        _connect_ray(address, tensor_parallel_size)
+    except Exception as e:  # ConnectionError, AuthenticationError, ...
+        hint = ""
+        if address is not None:
+            hint = (" (start one with `ray start --head`, or leave out --address to start a local Ray; "
+                    "a cluster with token auth needs its token in ~/.ray/auth_token or $RAY_AUTH_TOKEN)")
+        _err(f"cannot {'start a local Ray' if address is None else f'join the Ray cluster at {address!r}'}: "
+             f"{type(e).__name__}: {e}{hint}")
+        return False
+    return True
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _read_tls(args) -> tuple[bytes, bytes] | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        return None
+    try:
+        with open(args.tls_cert, "rb") as f:
+            cert = f.read()
+        with open(args.tls_key, "rb") as f:
+            key = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS files: {e}") from None
+    return cert, key
+
+
+def _cause(e: BaseException) -> str:
+    import ray
+
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _end_actor(actor) -> None:
+    import ray
+
+    try:
+        ray.get(actor.shutdown.remote(), timeout=30)
+    except Exception as e:  # already dead, or stuck: kill it anyway
+        _err(f"the server did not shut down cleanly ({type(e).__name__}); killing it")
+    ray.kill(actor)
+
+
+def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
+    try:
+        tls = _read_tls(args)
+    except ValueError as e:
+        _err(f"error: {e}")
+        return 2
+    address = args.address or ("auto" if args.detach else None)
+    if not _connect_or_explain(address, config.tensor_parallel_size):
+        return 1
+    import ray
+
+    from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
+    # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does. SIGINT
+    # too, explicitly: a shell starting us in the background (`&`) leaves SIGINT ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    actor = None
+    try:
+        options = {"name": ACTOR_NAME, "namespace": NAMESPACE}
+        if args.detach:
+            options["lifetime"] = "detached"
+        try:
+            actor = CoordinatorActor.options(**options).remote()
+        except ValueError:  # the name is taken
+            _err(f"a pagedserve server already runs in this Ray cluster (actor {ACTOR_NAME!r} in namespace "
+                 f"{NAMESPACE!r}); stop it first with `pagedserve stop`")
+            return 1
+        _err(f"loading {config.model} ...")
+        cert, key = tls if tls else (None, None)
+        try:
+            port = ray.get(actor.start.remote(config_dict(config), args.host, args.port, args.max_queued_requests,
+                                              api_key, cert, key, False))
+            _err(f"bound {_hostport(args.host, port)}; health says NOT_SERVING until the model is loaded")
+            ray.get(actor.wait_ready.remote())
+        except ray.exceptions.RayError as e:
+            _err(f"the server failed to start: {_cause(e)}")
+            return 1
+        notes = [n for n, on in (("TLS", tls is not None), ("API key required", bool(api_key))) if on]
+        print(f"serving {config.model} on {_hostport(args.host, port)}" + (f" ({', '.join(notes)})" if notes else ""),
+              flush=True)
+        if args.detach:
+            actor = None  # stays running in the cluster
+            _err(f"detached; stop it with `pagedserve stop --address {address}`")
+            return 0
+        return _serve_until_stopped(actor)
+    except KeyboardInterrupt:
+        _err("stopping ...")
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish the cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if actor is not None:
+                _end_actor(actor)
+            ray.shutdown()
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _serve_until_stopped(actor) -> int:
+    """Block until Ctrl-C / SIGTERM (KeyboardInterrupt); watch that the server still serves."""
+    import ray
+
+    while True:
+        time.sleep(2.0)
+        try:
+            status = ray.get(actor.status.remote(), timeout=30)
+        except ray.exceptions.GetTimeoutError:
+            continue
+        except ray.exceptions.RayActorError as e:
+            _err(f"the server's actor ended: {_cause(e)}")
+            return 1
+        if status["state"] == "failed":
+            _err(f"{status['reason']}; shutting down")
+            return 1
+
+
+def run_stop(args) -> int:
+    if not _connect_or_explain(args.address):
+        return 1
+    import ray
+
+    from coordinator.actor import ACTOR_NAME, NAMESPACE
+    try:
+        try:
+            actor = ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+        except ValueError:
+            _err(f"no pagedserve server runs in the Ray cluster at {args.address!r} "
+                 f"(no actor {ACTOR_NAME!r} in namespace {NAMESPACE!r})")
+            return 1
+        try:
+            status = ray.get(actor.status.remote(), timeout=10)
+            where = f"{status['model']} on {_hostport(status['host'], status['port'])}" if "model" in status else "not started"
+        except Exception as e:
+            where = f"not answering: {type(e).__name__}"
+        _end_actor(actor)
+        print(f"stopped the pagedserve server ({where})", flush=True)
+        return 0
+    finally:
+        ray.shutdown()
+
