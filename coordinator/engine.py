@@ -13,8 +13,9 @@ import time
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.kv_cache_manager import KVCacheManager
-from coordinator.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from coordinator.outputs import RequestOutput
 from coordinator.plan_builder import build_step_plan
+from coordinator.request_state import Completion, RequestState
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Sequence, SequenceStatus
@@ -23,15 +24,6 @@ from pagedserve.config import EngineConfig, resolve_model
 from workers.executor import InProcessExecutor
 from workers.model_loader import load_hf_config
 from workers.parallel import check_tensor_parallel_size
-
-
-class _Request:
-    __slots__ = ("seq", "prompt", "detok", "sent_tokens", "sent_chars")
-
-    def __init__(self, seq: Sequence, prompt: str | None, detok: IncrementalDetokenizer):
-        self.seq, self.prompt, self.detok = seq, prompt, detok
-        self.sent_tokens = 0
-        self.sent_chars = 0
 
 
 class LLMEngine:
@@ -65,7 +57,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self.num_prompt_tokens = 0
@@ -131,22 +123,34 @@ class LLMEngine:
                                                        return_dict=False))
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, priority: int = 0) -> None:
         """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer; got {priority!r}")
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
+        params.check_token_ids(self.vocab_size)
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, len(prompt_token_ids))
-        self.requests[request_id] = _Request(seq, prompt, detok)
+        seq.fork_ids = [next(self._seq_ids) for _ in range(params.best_of - 1)]
+        seq.priority = priority
+        self.requests[request_id] = RequestState(request_id, prompt, params, self._completion(seq))
         self.scheduler.add(seq)
 
+    def _completion(self, seq: Sequence) -> Completion:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens, seq.params.skip_special_tokens)
+        return Completion(seq, detok)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
+        """Abort a request in any state; every block of every sample comes back at once."""
+        req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._finish(req, SequenceStatus.FINISHED_ABORTED)
-        return self._output(req)
+        req.seq.fork_ids = []
+        for c in req.completions:
+            if not c.seq.status.finished:
+                self._finish(c.seq, SequenceStatus.FINISHED_ABORTED)
+        return req.output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -170,30 +174,63 @@ class LLMEngine:
 
     def _process(self, sched, output) -> list[RequestOutput]:
         sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
+        logprobs = dict(zip(output.seq_ids, output.logprobs)) if output.logprobs else {}
         now = time.monotonic()
-        outputs = []
+        touched: dict[str, RequestState] = {}
         for seq, n in sched.scheduled:
             old = seq.num_computed_tokens
             seq.num_computed_tokens = old + n
             self.kv.commit_computed(seq, old)
-            token = sampled.get(seq.seq_id)
-            if token is None:
+            if seq.seq_id not in sampled:
                 continue  # a prefill chunk that is not the last
             req = self.requests[seq.request_id]
-            seq.token_ids.append(token)
-            self.num_generation_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.num_prompt_tokens += seq.num_prompt_tokens
-            req.detok.step(seq.token_ids)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status)
-            outputs.append(self._output(req))
+            new = [seq] + (self._fork(req, seq) if seq.fork_ids else [])
+            for s in new:
+                self._append_token(req, s, sampled[s.seq_id], logprobs.get(s.seq_id))
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                del self.requests[req.request_id]
+            out = req.output()
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _stop_status(self, req: _Request, token: int) -> SequenceStatus | None:
-        seq, p = req.seq, req.seq.params
+    def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
+        """The parent's prompt is computed: fork the other samples onto its blocks (ref counts,
+        no copy; the first write into the shared partial block copies it)."""
+        children = []
+        for fork_id in parent.fork_ids:
+            child = Sequence(fork_id, parent.request_id, parent.prompt_token_ids, parent.params)
+            child.priority = parent.priority
+            child.arrival_time = parent.arrival_time
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.first_token_time = parent.first_token_time
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+            req.completions.append(self._completion(child))
+            children.append(child)
+        parent.fork_ids = []
+        return children
+
+    def _append_token(self, req: RequestState, seq: Sequence, token: int, logprobs) -> None:
+        completion = next(c for c in req.completions if c.seq is seq)
+        seq.token_ids.append(token)
+        self.num_generation_tokens += 1
+        if logprobs is not None:
+            completion.record_logprobs(logprobs, self.tokenizer, keep=req.params.logprobs is not None)
+        completion.detok.step(seq.token_ids)
+        status = self._stop_status(completion, token)
+        if status is not None:
+            self._finish(seq, status)
+
+    def _stop_status(self, completion: Completion, token: int) -> SequenceStatus | None:
+        seq, p = completion.seq, completion.seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -201,7 +238,7 @@ class LLMEngine:
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-            if p.stop and self._truncate_at_stop_string(req):
+            if p.stop and completion.truncate_at_stop_string():
                 return SequenceStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
@@ -209,46 +246,10 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    @staticmethod
-    def _truncate_at_stop_string(req: _Request) -> bool:
-        """Cut the text before the earliest stop string; only the tail can hold a new match."""
-        text, stops = req.detok.text, req.seq.params.stop
-        window = max(map(len, stops)) + 16
-        start = max(0, len(text) - window)
-        hits = [(text.find(s, start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        req.detok.text = text[:index]
-        req.seq.stop_reason = stop
-        return True
-
-    def _finish(self, req: _Request, status: SequenceStatus) -> None:
-        seq = req.seq
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
         seq.finish_time = time.monotonic()
         self._finished_seq_ids.append(seq.seq_id)
-        del self.requests[seq.request_id]
-
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        finished = seq.status.finished
-        out_tokens = seq.output_token_ids
-        delta_tokens = out_tokens[req.sent_tokens:]
-        req.sent_tokens = len(out_tokens)
-        text = req.detok.text
-        if not finished and seq.params.stop:
-            # Hold back a tail that could still grow into a stop string, so none ever leaks.
-            text = text[:max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
-        delta_text = text[req.sent_chars:]
-        req.sent_chars = max(req.sent_chars, len(text))
-        completion = CompletionOutput(0, text, out_tokens, seq.status.value if finished else None,
-                                      seq.stop_reason)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finish_time, seq.num_cached_prompt_tokens, seq.num_preemptions)
-        return RequestOutput(seq.request_id, req.prompt, seq.prompt_token_ids, [completion], finished,
-                             metrics, delta_text=delta_text, delta_token_ids=delta_tokens)
 
     def stats(self) -> dict:
         return engine_stats(self)

@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the model's most likely token at that position
+    decoded_token: str
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None  # with logprobs or best_of > n
+    # Per generated token: {token id: Logprob} for the sampled token and the top `logprobs`.
+    logprobs: list[dict[int, Logprob]] | None = None
+    # What this sample added since the previous output of the request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,6 +48,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    # The text and tokens added since the previous output of this request (for streaming).
+    # outputs[0]'s delta (for streaming a request with one sample).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,10 @@ from coordinator.sequence import Sequence
 from workers.step_plan import SeqSampling, StepPlan
 
 
-def sampling_for(seq: Sequence, eos_token_ids: frozenset[int]) -> SeqSampling:
+def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | None = None,
+                 sample_index: int = 0) -> SeqSampling:
+    """How the worker picks `seq`'s next token. A fork sampled from its parent's logits gets its
+    own `seq_id` and its own seed (`seed + sample_index`), as vLLM seeds parallel samples."""
     p = seq.params
     banned: tuple[int, ...] = ()
     if seq.num_output_tokens < p.min_tokens:
@@ -17,7 +20,21 @@ def sampling_for(seq: Sequence, eos_token_ids: frozenset[int]) -> SeqSampling:
         if not p.ignore_eos:
             stops |= eos_token_ids
         banned = tuple(sorted(stops))
-    return SeqSampling(seq.seq_id, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, banned)
+    sampling = SeqSampling(seq.seq_id if seq_id is None else seq_id, p.temperature, p.top_p, p.top_k, p.min_p,
+                           None if p.seed is None else p.seed + sample_index, banned)
+    if p.allowed_token_ids is not None:
+        sampling.allowed_token_ids = tuple(p.allowed_token_ids)
+    if p.logit_bias:
+        sampling.logit_bias = tuple(p.logit_bias.items())
+    if p.has_penalties:
+        sampling.presence_penalty = p.presence_penalty
+        sampling.frequency_penalty = p.frequency_penalty
+        sampling.repetition_penalty = p.repetition_penalty
+        sampling.prompt_token_ids = tuple(seq.prompt_token_ids)
+        sampling.output_token_ids = tuple(seq.output_token_ids)
+    if p.needs_logprobs:
+        sampling.num_logprobs = p.logprobs or 0
+    return sampling
 
 
 def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: list[int],
@@ -53,6 +70,10 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         if end == seq.num_tokens:
             sample_indices.append(i)
             sampling.append(sampling_for(seq, eos_token_ids))
+            # Parallel samples: the same logits row, once more per fork (sample index j).
+            for j, fork_id in enumerate(seq.fork_ids, start=1):
+                sample_indices.append(i)
+                sampling.append(sampling_for(seq, eos_token_ids, fork_id, j))
         t += n
     return StepPlan(
         seq_ids=[seq.seq_id for seq, _ in scheduled],

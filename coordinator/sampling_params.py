@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_BEST_OF = 64
+MAX_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -11,9 +14,17 @@ class SamplingParams:
 
     `temperature=0` is greedy decoding. `top_k` <= 0 (or -1) and `top_p=1` disable those filters.
     `max_tokens=None` generates until a stop condition or the model's context limit.
+
+    `n` samples share the prompt's KV blocks (one prefill, then copy-on-write forks); with
+    `best_of` > n, best_of are generated and the n with the highest cumulative logprob returned.
+    `logprobs=k` returns, per generated token, its logprob and the top k (the raw model
+    distribution, before penalties and temperature); `prompt_logprobs=k` the same per prompt token.
+    Penalties follow vLLM: presence/frequency over the generated tokens, repetition (divide
+    positive logits, multiply negative ones) over prompt and generated tokens.
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -24,18 +35,36 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
         _check_int("n", self.n, low=1)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now (parallel sampling is not implemented); got {self.n}")
+        _check_int("best_of", self.best_of, low=1)
+        if self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of > MAX_BEST_OF:
+            raise ValueError(f"best_of (or n) must be <= {MAX_BEST_OF}; got {self.best_of}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy); got {self.temperature}")
@@ -58,8 +87,49 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings; got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool; got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]; got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2]; got {self.repetition_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}; got {value}")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias token id", token, low=0)
+            _check_number("logit_bias value", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it unset to allow every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids in the parameters must exist in the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must lie in [0, {vocab_size}); got {bad[0]}")
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs must be computed (asked for, or to rank best_of)."""
+        return self.logprobs is not None or self.best_of > self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

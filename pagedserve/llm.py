@@ -27,10 +27,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string or `{"prompt": str}` / `{"prompt_token_ids": [int, ...]}`.
+        `priority` (one integer per prompt, lower first) matters with scheduling_policy="priority".
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -41,12 +42,16 @@ class LLM:
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
                              f"({len(prompts)}); got {len(sampling_params)}")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"priority must have one integer per prompt ({len(prompts)}); got {len(priority)}")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, prio in zip(prompts, sampling_params, priority):
                 text, token_ids = _split_prompt(prompt)
                 request_id = str(next(self._request_ids))
-                self.engine.add_request(request_id, text, token_ids, params)
+                self.engine.add_request(request_id, text, token_ids, params, prio)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # a bad prompt leaves nothing of this call behind

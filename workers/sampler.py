@@ -8,7 +8,50 @@ from __future__ import annotations
 
 import torch
 
-from workers.step_plan import SeqSampling
+from workers.step_plan import SeqSampling, TokenLogprobs
+
+
+def process_logits(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+    """Apply, in place and in vLLM's order, what changes the distribution before temperature:
+    allowed_token_ids, logit_bias, tokens banned until min_tokens, then the penalties
+    (repetition over prompt + output, then frequency and presence over the output)."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        row = logits[i]
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids)
+            kept = row[keep].clone()
+            row.fill_(float("-inf"))
+            row[keep] = kept
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            row[list(ids)] += torch.tensor(biases, dtype=row.dtype)
+        if p.banned_token_ids:
+            row[list(p.banned_token_ids)] = float("-inf")
+        if p.has_penalties:
+            output = torch.tensor(p.output_token_ids, dtype=torch.long)
+            counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[torch.tensor(p.prompt_token_ids, dtype=torch.long)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if p.frequency_penalty != 0.0:
+                row -= p.frequency_penalty * counts
+            if p.presence_penalty != 0.0:
+                row -= p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """One row of log-softmax: the chosen token's logprob and rank, and the top k."""
+    chosen = float(logprobs[token])
+    rank = int((logprobs > chosen).sum()) + 1
+    if k > 0:
+        top = logprobs.topk(k)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids, top_values = [], []
+    return TokenLogprobs(token, chosen, rank, top_ids, top_values)
 
 
 class Sampler:
@@ -20,11 +63,21 @@ class Sampler:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """logits: [N, vocab] fp32, one row per entry of `params`. Returns [N] token ids."""
-        for i, p in enumerate(params):
-            if p.banned_token_ids:
-                logits[i, list(p.banned_token_ids)] = float("-inf")
+    def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> tuple[torch.Tensor, list | None]:
+        """logits: [N, vocab] fp32 raw model outputs, one row per entry of `params`. Returns the
+        [N] sampled token ids, and per row the TokenLogprobs asked for (None where not)."""
+        wanted = [i for i, p in enumerate(params) if p.num_logprobs >= 0]
+        raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
+        process_logits(logits, params)
+        tokens = self._sample(logits, params)
+        if not wanted:
+            return tokens, None
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        for row, i in enumerate(wanted):
+            out[i] = token_logprobs(raw_logprobs[row], int(tokens[i]), params[i].num_logprobs)
+        return tokens, out
+
+    def _sample(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
         if all(p.temperature == 0.0 for p in params):
             return logits.argmax(dim=-1)
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)

@@ -22,6 +22,31 @@ class SeqSampling:
     min_p: float
     seed: int | None
     banned_token_ids: tuple[int, ...] = ()  # EOS/stop ids while fewer than min_tokens are out
+    allowed_token_ids: tuple[int, ...] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Only sent when a penalty is on: the tokens the penalties look at.
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    num_logprobs: int = -1  # -1: none; 0: the sampled token's only; k: and the top k
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The raw model distribution at one position: the chosen token's logprob and rank, and the
+    top k tokens (ids and logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -49,4 +74,5 @@ class StepPlan:
 class StepOutput:
     seq_ids: list[int]  # the sequences that sampled a token, in plan order
     token_ids: np.ndarray  # [N] int64
+    logprobs: list[TokenLogprobs | None] | None = None  # parallel to seq_ids, where asked for
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch

@@ -102,5 +102,5 @@ class Worker:
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_token)])
         if logits is None:  # not rank 0: the logits went to rank 0
             return StepOutput([], np.zeros(0, dtype=np.int64))
-        tokens = self.sampler(logits, plan.sampling)
-        return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy())
+        tokens, logprobs = self.sampler(logits, plan.sampling)
+        return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy(), logprobs=logprobs)

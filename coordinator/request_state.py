@@ -1,0 +1,107 @@
+"""What the engine tracks per request beyond the scheduler's sequences: one Completion per sample
+(its detokenizer, what has been streamed, its logprobs), and how RequestOutputs are built.
+
+A request with `best_of` samples starts as one sequence; when its prompt's last token is computed
+it forks into `best_of` sequences sharing the prompt's blocks (see LLMEngine._fork).
+"""
+
+from __future__ import annotations
+
+from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from coordinator.sampling_params import SamplingParams
+from coordinator.sequence import Sequence
+from workers.step_plan import TokenLogprobs
+
+
+class Completion:
+    __slots__ = ("seq", "detok", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob")
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
+        self.seq = seq
+        self.detok = detok
+        self.sent_tokens = 0
+        self.sent_chars = 0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+
+    def record_logprobs(self, entry: TokenLogprobs, tokenizer, keep: bool) -> None:
+        self.cumulative_logprob += entry.logprob
+        if not keep:
+            return
+        decode = tokenizer.decode
+        step = {tid: Logprob(lp, rank, decode([tid])) for rank, (tid, lp) in
+                enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
+        step[entry.token_id] = Logprob(entry.logprob, entry.rank, decode([entry.token_id]))
+        self.logprobs.append(step)
+
+    def truncate_at_stop_string(self) -> bool:
+        """Cut the text at the earliest stop string (after it with include_stop_str_in_output);
+        only the tail can hold a new match."""
+        params = self.seq.params
+        text, stops = self.detok.text, params.stop
+        start = max(0, len(text) - max(map(len, stops)) - 16)
+        hits = [(text.find(s, start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.detok.text = text[:index + len(stop)] if params.include_stop_str_in_output else text[:index]
+        self.seq.stop_reason = stop
+        return True
+
+    def output(self, index: int, params: SamplingParams) -> CompletionOutput:
+        seq = self.seq
+        finished = seq.status.finished
+        out_tokens = seq.output_token_ids
+        delta_tokens = out_tokens[self.sent_tokens:]
+        self.sent_tokens = len(out_tokens)
+        text = self.detok.text
+        if not finished and params.stop:
+            # Hold back a tail that could still grow into a stop string, so none ever leaks.
+            text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
+        delta_text = text[self.sent_chars:]
+        self.sent_chars = max(self.sent_chars, len(text))
+        return CompletionOutput(
+            index, text, out_tokens, seq.status.value if finished else None, seq.stop_reason,
+            cumulative_logprob=self.cumulative_logprob if params.needs_logprobs else None,
+            logprobs=list(self.logprobs) if params.logprobs is not None else None,
+            delta_text=delta_text, delta_token_ids=delta_tokens)
+
+
+class RequestState:
+    __slots__ = ("request_id", "prompt", "params", "completions")
+
+    def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: Completion):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.completions = [first]
+
+    @property
+    def seq(self) -> Sequence:
+        """The first sequence (the one that computes the prompt)."""
+        return self.completions[0].seq
+
+    @property
+    def finished(self) -> bool:
+        return not self.seq.fork_ids and all(c.seq.status.finished for c in self.completions)
+
+    def output(self) -> RequestOutput | None:
+        """The request's state now: every sample, with what it added since the last output. With
+        best_of > n nothing streams: the n best (by cumulative logprob) come when all are done."""
+        params = self.params
+        finished = self.finished
+        completions = self.completions
+        if params.best_of > params.n:
+            if not finished:
+                return None
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[:params.n]
+        outputs = [c.output(i, params) for i, c in enumerate(completions)]
+        first = self.seq
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 max((c.seq.finish_time or 0.0) for c in self.completions) if finished else None,
+                                 first.num_cached_prompt_tokens,
+                                 sum(c.seq.num_preemptions for c in self.completions))
+        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, finished, metrics,
+                             delta_text=outputs[0].delta_text, delta_token_ids=outputs[0].delta_token_ids)
