@@ -72,7 +72,7 @@ class AsyncEngine:
         return self.error
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
-                       request_id: str = "") -> AsyncIterator[RequestOutput]:
+                       request_id: str = "", priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ValueError for bad input and QueueFullError come before any
         output, with nothing queued."""
         if self.error is not None:
@@ -84,9 +84,13 @@ class AsyncEngine:
         if self.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
         token_ids = self.engine.check_prompt(prompt, prompt_token_ids)
+        # Everything add_request could refuse is checked here: the engine loop must never raise on it.
+        params.check_token_ids(self.engine.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer; got {priority!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._adds.append((request_id, token_ids, params))
+        self._adds.append((request_id, token_ids, params, priority))
         self._wakeup.set()
         finished = False
         try:
@@ -134,10 +138,10 @@ class AsyncEngine:
         aborts, self._aborts = self._aborts, []
         adds, self._adds = self._adds, []
         aborted = set(aborts)
-        for request_id, token_ids, params in adds:
+        for request_id, token_ids, params, priority in adds:
             if request_id in aborted:
                 continue  # cancelled before it ever reached the engine
-            self.engine.add_request(request_id, None, token_ids, params)
+            self.engine.add_request(request_id, None, token_ids, params, priority)
         for request_id in aborts:
             self.engine.abort_request(request_id)
 

@@ -30,10 +30,14 @@ log = logging.getLogger("pagedserve.server")
 
 def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; bad values raise ValueError."""
-    kwargs = {name: getattr(msg, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
-              if msg.HasField(name)}
+    kwargs = {name: getattr(msg, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n", "best_of", "repetition_penalty",
+        "logprobs", "skip_special_tokens") if msg.HasField(name)}
     return SamplingParams(min_tokens=msg.min_tokens, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, **kwargs)
+                          ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias) or None,
+                          allowed_token_ids=list(msg.allowed_token_ids) or None,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
@@ -105,7 +109,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         try:
             prompt, token_ids = self._prompt(request)
             params = sampling_from_proto(request.sampling)
-            stream = self.engine.generate(prompt, token_ids, params, request.request_id)
+            stream = self.engine.generate(prompt, token_ids, params, request.request_id, request.priority)
             first = await anext(stream)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -117,8 +121,10 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
             out = first
+            done: set[int] = set()  # samples whose last response has gone out
             while True:
-                yield _response(out)
+                for resp in _responses(out, done, params.logprobs or 0):
+                    yield resp
                 if out.finished:
                     break
                 try:
@@ -137,24 +143,51 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         return serving_pb2.GetStatsResponse(stats={k: float(v) for k, v in stats.items()})
 
 
-def _response(out) -> serving_pb2.GenerateResponse:
-    completion = out.outputs[0]
-    resp = serving_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.delta_token_ids,
-                                        text=out.delta_text)
+def _responses(out, done: set[int], num_logprobs: int) -> list[serving_pb2.GenerateResponse]:
+    """One response per sample with news (tokens, or its end); the request's totals ride on the
+    very last one."""
+    responses = []
+    for completion in out.outputs:
+        ended = completion.finish_reason is not None and completion.index not in done
+        if not (completion.delta_token_ids or completion.delta_text or ended):
+            continue
+        resp = serving_pb2.GenerateResponse(request_id=out.request_id, index=completion.index,
+                                            token_ids=completion.delta_token_ids, text=completion.delta_text)
+        if completion.logprobs is not None and completion.delta_token_ids:
+            new = completion.logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
+            resp.logprobs.extend(_position_logprobs(step, token, num_logprobs)
+                                 for step, token in zip(new, completion.delta_token_ids))
+        if ended:
+            done.add(completion.index)
+            resp.finish_reason = completion.finish_reason
+            resp.stop_reason = "" if completion.stop_reason is None else str(completion.stop_reason)
+            if completion.cumulative_logprob is not None:
+                resp.cumulative_logprob = completion.cumulative_logprob
+        responses.append(resp)
     if out.finished:
-        m = out.metrics
-        resp.finish_reason = completion.finish_reason or ""
-        resp.stop_reason = "" if completion.stop_reason is None else str(completion.stop_reason)
-        resp.usage.prompt_tokens = len(out.prompt_token_ids)
-        resp.usage.completion_tokens = len(completion.token_ids)
-        resp.usage.cached_prompt_tokens = m.num_cached_tokens
+        if not responses:  # nothing new, but the totals must still be sent
+            responses.append(serving_pb2.GenerateResponse(request_id=out.request_id))
+        last, m = responses[-1], out.metrics
+        last.usage.prompt_tokens = len(out.prompt_token_ids)
+        last.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        last.usage.cached_prompt_tokens = m.num_cached_tokens
         if m.first_scheduled_time is not None:
-            resp.timing.queue_s = m.first_scheduled_time - m.arrival_time
+            last.timing.queue_s = m.first_scheduled_time - m.arrival_time
         if m.first_token_time is not None:
-            resp.timing.time_to_first_token_s = m.first_token_time - m.arrival_time
+            last.timing.time_to_first_token_s = m.first_token_time - m.arrival_time
         if m.finished_time is not None:
-            resp.timing.total_s = m.finished_time - m.arrival_time
-    return resp
+            last.timing.total_s = m.finished_time - m.arrival_time
+    return responses
+
+
+def _position_logprobs(step: dict, token: int, k: int) -> serving_pb2.PositionLogprobs:
+    """`step` holds the top k tokens (ranks 1..k) and the sampled one (which may rank lower)."""
+    def entry(tid):
+        lp = step[tid]
+        return serving_pb2.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+
+    top = sorted((tid for tid in step if step[tid].rank <= k), key=lambda t: step[t].rank)[:k]
+    return serving_pb2.PositionLogprobs(sampled=entry(token), top=[entry(t) for t in top])
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--timeout", type=float, default=None, help="seconds before the request is abandoned")
+    # Optional sampling fields: left unset, the server's SamplingParams defaults apply.
+    for flag, kind, help_text in _SAMPLING_FLAGS:
+        gen.add_argument(flag, type=kind, default=None, help=help_text)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--priority", type=int, default=0, help="lower runs first on a server with "
+                                                            "--scheduling-policy priority")
 
     stats = sub.add_parser("stats", help="print a running server's stats")
     _add_client_flags(stats)
@@ -83,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop the server running in a Ray cluster (one started with --detach)")
     stop.add_argument("--address", default="auto", help="the Ray cluster: 'auto' or host:port (default: %(default)s)")
     return parser
+
+
+_SAMPLING_FLAGS = (
+    ("--n", int, "samples to return (they share the prompt's KV blocks)"),
+    ("--best-of", int, "samples to generate; the n with the highest cumulative logprob are returned"),
+    ("--seed", int, "seed of this request's sampling (sample j uses seed + j)"),
+    ("--top-p", float, "nucleus sampling mass"),
+    ("--top-k", int, "sample among the k most likely tokens"),
+    ("--min-p", float, "drop tokens below this share of the most likely one"),
+    ("--presence-penalty", float, "[-2, 2], over generated tokens"),
+    ("--frequency-penalty", float, "[-2, 2], over generated tokens"),
+    ("--repetition-penalty", float, "(0, 2], over prompt and generated tokens"),
+    ("--logprobs", int, "print each token's logprob and the top k"),
+)
 
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -114,15 +134,29 @@ def run_generate(args) -> int:
     from pagedserve.client import ServingError
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "priority": args.priority}
+    for flag, _, _ in _SAMPLING_FLAGS:
+        name = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    if args.stop:
+        sampling["stop"] = args.stop
     try:
         with _client(args, args.timeout) as client:
             if args.stream:
                 for chunk in client.stream(prompt, **sampling):
-                    print(chunk.text, end="", flush=True)
+                    prefix = f"[{chunk.index}] " if sampling.get("n", 1) > 1 else ""
+                    print(prefix + chunk.text, end="\n" if prefix else "", flush=True)
                 print()
             else:
-                print(client.generate(prompt, **sampling).text)
+                for completion in client.generate_all(prompt, **sampling):
+                    if sampling.get("n", 1) > 1:
+                        print(f"--- sample {completion.index} ---")
+                    print(completion.text)
+                    for step in completion.logprobs:
+                        tops = ", ".join(f"{t['decoded_token']!r}: {t['logprob']:.3f}" for t in step["top"])
+                        print(f"  {step['decoded_token']!r} {step['logprob']:.4f} (rank {step['rank']})"
+                              + (f"  top: {tops}" if tops else ""))
     except ServingError as e:
         print(f"pagedserve: {e.code.name}: {e.details}", file=sys.stderr)
         return 1

@@ -33,6 +33,9 @@ class ServingError(Exception):
 class Chunk:
     token_ids: list[int]
     text: str
+    index: int = 0  # which sample, with n > 1
+    # Per token, with logprobs=k: {"token_id", "logprob", "rank", "decoded_token", "top": [...]}.
+    logprobs: list[dict] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -41,33 +44,58 @@ class Completion:
     text: str = ""
     finish_reason: str = ""
     stop_reason: str = ""
-    usage: dict = field(default_factory=dict)
+    usage: dict = field(default_factory=dict)  # of the whole request (every sample)
     timing: dict = field(default_factory=dict)
+    index: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+
+
+# Keyword arguments that belong to the request rather than to its SamplingParams.
+_REQUEST_FIELDS = ("priority",)
 
 
 def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    extra = {name: sampling.pop(name) for name in _REQUEST_FIELDS if name in sampling}
     params = pb.SamplingParams(**sampling)
     if isinstance(prompt, str):
-        return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id)
+        return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id, **extra)
     prompt = list(prompt)
     if prompt and all(isinstance(m, dict) for m in prompt):
         chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt])
-        return pb.GenerateRequest(chat=chat, sampling=params, request_id=request_id)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id)
+        return pb.GenerateRequest(chat=chat, sampling=params, request_id=request_id, **extra)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id, **extra)
 
 
-def _fold(completion: Completion, resp: pb.GenerateResponse) -> None:
-    completion.token_ids += resp.token_ids
-    completion.text += resp.text
+def _logprob(entry: pb.TokenLogprob) -> dict:
+    return {"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank,
+            "decoded_token": entry.decoded_token}
+
+
+def _chunk(resp: pb.GenerateResponse) -> Chunk:
+    logprobs = [{**_logprob(p.sampled), "top": [_logprob(t) for t in p.top]} for p in resp.logprobs]
+    return Chunk(list(resp.token_ids), resp.text, resp.index, logprobs)
+
+
+def _fold(completions: dict[int, Completion], resp: pb.GenerateResponse) -> None:
+    """Add one response to the completion of its sample."""
+    completion = completions.setdefault(resp.index, Completion(index=resp.index))
+    chunk = _chunk(resp)
+    completion.token_ids += chunk.token_ids
+    completion.text += chunk.text
+    completion.logprobs += chunk.logprobs
     if resp.finish_reason:
         completion.finish_reason = resp.finish_reason
         completion.stop_reason = resp.stop_reason
-        completion.usage = {"prompt_tokens": resp.usage.prompt_tokens,
-                            "completion_tokens": resp.usage.completion_tokens,
-                            "cached_prompt_tokens": resp.usage.cached_prompt_tokens}
-        completion.timing = {"queue_s": resp.timing.queue_s,
-                             "time_to_first_token_s": resp.timing.time_to_first_token_s,
-                             "total_s": resp.timing.total_s}
+        if resp.HasField("cumulative_logprob"):
+            completion.cumulative_logprob = resp.cumulative_logprob
+    if resp.HasField("usage"):  # the request's last response
+        usage = {"prompt_tokens": resp.usage.prompt_tokens, "completion_tokens": resp.usage.completion_tokens,
+                 "cached_prompt_tokens": resp.usage.cached_prompt_tokens}
+        timing = {"queue_s": resp.timing.queue_s, "time_to_first_token_s": resp.timing.time_to_first_token_s,
+                  "total_s": resp.timing.total_s}
+        for c in completions.values():
+            c.usage, c.timing = usage, timing
 
 
 def _metadata(token: str | None):
@@ -87,27 +115,33 @@ class Client:
         self.timeout = timeout
 
     def stream(self, prompt, request_id: str = "", **sampling) -> Iterator[Chunk]:
-        """Chunks as the server sends them. Closing the iterator early cancels the request, and
-        the server frees its blocks at once."""
+        """Chunks as the server sends them (with n > 1, the samples' chunks interleave: see
+        `Chunk.index`). Closing the iterator early cancels the request, and the server frees its
+        blocks at once."""
         call = self._stub.Generate(build_request(prompt, request_id, **sampling),
                                    timeout=self.timeout, metadata=self._metadata)
         try:
             for resp in call:
-                yield Chunk(list(resp.token_ids), resp.text)
+                yield _chunk(resp)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
         finally:
             call.cancel()  # a no-op once the stream has ended
 
     def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
-        completion = Completion()
+        """The whole completion (the first sample's, with n > 1: see generate_all)."""
+        return self.generate_all(prompt, request_id, **sampling)[0]
+
+    def generate_all(self, prompt, request_id: str = "", **sampling) -> list[Completion]:
+        """Every sample of the request (n of them), by index."""
+        completions: dict[int, Completion] = {}
         try:
             for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
                                             timeout=self.timeout, metadata=self._metadata):
-                _fold(completion, resp)
+                _fold(completions, resp)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
-        return completion
+        return [completions[i] for i in sorted(completions)]
 
     def stats(self) -> dict:
         try:
@@ -149,21 +183,24 @@ class AsyncClient:
                                    timeout=self.timeout, metadata=self._metadata)
         try:
             async for resp in call:
-                yield Chunk(list(resp.token_ids), resp.text)
+                yield _chunk(resp)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
         finally:
             call.cancel()
 
     async def generate(self, prompt, request_id: str = "", **sampling) -> Completion:
-        completion = Completion()
+        return (await self.generate_all(prompt, request_id, **sampling))[0]
+
+    async def generate_all(self, prompt, request_id: str = "", **sampling) -> list[Completion]:
+        completions: dict[int, Completion] = {}
         try:
             async for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
                                                   timeout=self.timeout, metadata=self._metadata):
-                _fold(completion, resp)
+                _fold(completions, resp)
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
-        return completion
+        return [completions[i] for i in sorted(completions)]
 
     async def stats(self) -> dict:
         try:

@@ -111,6 +111,10 @@ def test_text_and_chat_prompts_stream_text(llm, stub):
     ({"text": "x", "sampling": pb.SamplingParams(top_p=2)}, "top_p must be in (0, 1]"),
     ({"text": "x", "sampling": pb.SamplingParams(max_tokens=0)}, "max_tokens must be an integer >= 1"),
     ({"token_ids": pb.TokenIds(ids=[5] * 5000)}, "max_model_len"),
+    ({"text": "x", "sampling": pb.SamplingParams(logprobs=21)}, "logprobs must be <= 20"),
+    ({"text": "x", "sampling": pb.SamplingParams(n=3, best_of=2)}, "best_of (2) must be >= n (3)"),
+    ({"text": "x", "sampling": pb.SamplingParams(logit_bias={10 ** 6: 1.0})}, "logit_bias must lie in [0, 49152)"),
+    ({"text": "x", "sampling": pb.SamplingParams(presence_penalty=3)}, "presence_penalty must be in [-2, 2]"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(stub, request_kwargs, words):
     with pytest.raises(grpc.RpcError) as err:
@@ -197,3 +201,31 @@ def test_cli_generate_and_stats_talk_to_a_running_server(llm, server, capsys):
     assert "kv_blocks_total" in capsys.readouterr().out
     assert cli.main(["generate", "x", "--target", target, "--max-tokens", "0"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "3", "--n", "2", "--seed", "3",
+                     "--temperature", "1", "--logprobs", "2", "--presence-penalty", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample 0 ---" in out and "--- sample 1 ---" in out
+    assert out.count("(rank ") == 6 and out.count("top: ") == 6
+
+
+def test_parallel_samples_logprobs_and_penalties_over_grpc_equal_the_offline_api(llm, server):
+    import pagedserve
+
+    sampling = dict(n=3, temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprobs=2,
+                    presence_penalty=0.5, repetition_penalty=1.2, logit_bias={100: 2.0})
+    offline = llm.generate({"prompt_token_ids": [9, 8, 7, 6]}, SamplingParams(**sampling), use_tqdm=False)[0]
+    with pagedserve.Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        served = client.generate_all([9, 8, 7, 6], **sampling)
+        chunks = list(client.stream([9, 8, 7, 6], **sampling))
+    assert [c.index for c in served] == [0, 1, 2]
+    assert [c.token_ids for c in served] == [o.token_ids for o in offline.outputs]
+    assert {c.index for c in chunks} == {0, 1, 2}
+    for got, want in zip(served, offline.outputs):
+        assert got.finish_reason == "length" and got.usage["completion_tokens"] == 18
+        assert len(got.logprobs) == 6
+        for step, token, expected in zip(got.logprobs, got.token_ids, want.logprobs):
+            assert step["token_id"] == token
+            assert abs(step["logprob"] - expected[token].logprob) < 1e-5
+            assert [t["token_id"] for t in step["top"]] == sorted(
+                (t for t in expected if expected[t].rank <= 2), key=lambda t: expected[t].rank)
+        assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-4
