@@ -55,7 +55,7 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()

@@ -6,8 +6,15 @@ up to its total, a prefill chunk or one decode token at a time, so chunked prefi
 the budget. Order: running sequences first (their decodes, then their unfinished prefill chunks,
 oldest first), then waiting ones, FCFS.
 
+Policies: `fcfs` admits in arrival order and nobody overtakes the head of the queue. `priority`
+admits the waiting sequence with the lowest effective priority first (ties: earlier arrival),
+where effective priority = priority - (steps waited // PRIORITY_AGING_STEPS): a request gains one
+level per PRIORITY_AGING_STEPS engine steps spent waiting, so a low-priority request is overtaken
+by later high-priority arrivals for a bounded number of steps and never starves. Its preemption
+victim is the running sequence with the highest effective priority (ties: the newest).
+
 Preemption: when a running sequence cannot get its next block, the newest running sequence is
-preempted by recompute: its blocks are freed (its full blocks stay in the prefix cache), it goes
+preempted by recompute (under `priority`, the least important one): its blocks are freed (its full blocks stay in the prefix cache), it goes
 back to the front of the waiting queue with its generated tokens kept, and on readmission its
 prefill recomputes (or re-finds in the prefix cache) the whole context.
 """
@@ -32,9 +39,18 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+PRIORITY_AGING_STEPS = 64
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool):
+                 enable_chunked_prefill: bool, policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self.policy = policy
+        self.num_steps = 0
+        self._waiting_since: dict[int, int] = {}  # seq_id -> step it (re)entered the queue
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,7 +63,25 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self._waiting_since[seq.seq_id] = self.num_steps
         self.waiting.append(seq)
+
+    def effective_priority(self, seq: Sequence) -> int:
+        waited = self.num_steps - self._waiting_since.get(seq.seq_id, self.num_steps)
+        return seq.priority - waited // PRIORITY_AGING_STEPS
+
+    def _next_waiting(self) -> Sequence:
+        if self.policy == "fcfs":
+            return self.waiting[0]
+        return min(self.waiting, key=lambda s: (self.effective_priority(s), s.arrival_time))
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest, or under `priority` the least important."""
+        if self.policy == "fcfs":
+            return self.running.pop()
+        victim = max(reversed(self.running), key=lambda s: (s.priority, s.arrival_time))
+        self.running.remove(victim)
+        return victim
 
     def add_running(self, seq: Sequence) -> None:
         """A fork of a running sequence: it runs from the next step on, on its parent's blocks."""
@@ -58,6 +92,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kv = self.kv
@@ -75,7 +110,7 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_new = min(remaining[seq], budget)
             while not kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the newest running sequence
+                victim = self._victim()
                 budget += scheduled.pop(victim, 0)  # its slots this step are given back
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -95,18 +130,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             computed = kv.get_computed_blocks(seq)
             num_new = seq.num_tokens - len(computed) * kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running)):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue (the first in policy order)
             kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = len(computed) * kv.block_size
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self._waiting_since.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
@@ -117,6 +153,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._waiting_since[seq.seq_id] = self.num_steps
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -125,6 +162,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._waiting_since.pop(seq.seq_id, None)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         self.kv.free(seq)

@@ -40,6 +40,8 @@ class EngineConfig:
         "help": "uni (one worker in this process), ray (a worker actor per rank) or auto "
                 "(ray when tensor_parallel_size > 1 or inside the server)"})
     preemption_mode: str = field(default="recompute", metadata={"help": "how to preempt: recompute"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs (arrival order) or priority (lower request priority first, with ageing)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
@@ -52,6 +54,7 @@ class EngineConfig:
         _one_of("dtype", self.dtype, _DTYPES)
         _one_of("block_size", self.block_size, _BLOCK_SIZES)
         _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _one_of("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _one_of("device", self.device, ("cpu", "cuda"))
         _one_of("distributed_executor_backend", self.distributed_executor_backend, _EXECUTOR_BACKENDS)
