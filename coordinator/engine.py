@@ -12,6 +12,7 @@ import operator
 import time
 
 from coordinator.detokenizer import IncrementalDetokenizer
+from coordinator.beam_search import beam_step
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.outputs import RequestOutput
 from coordinator.plan_builder import build_step_plan
@@ -132,9 +133,10 @@ class LLMEngine:
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
         params.check_token_ids(self.vocab_size)
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
-        seq.fork_ids = [next(self._seq_ids) for _ in range(params.best_of - 1)]
+        if not params.use_beam_search:  # beams fork as the search goes
+            seq.fork_ids = [next(self._seq_ids) for _ in range(params.best_of - 1)]
         seq.priority = priority
-        self.requests[request_id] = RequestState(request_id, prompt, params, self._completion(seq))
+        self.requests[request_id] = RequestState(request_id, prompt, params, self._completion(seq), self.tokenizer)
         self.scheduler.add(seq)
 
     def _completion(self, seq: Sequence) -> Completion:
@@ -150,6 +152,8 @@ class LLMEngine:
         for c in req.completions:
             if not c.seq.status.finished:
                 self._finish(c.seq, SequenceStatus.FINISHED_ABORTED)
+        if req.beam is not None:
+            req.beam.done = True  # the hypotheses so far are the answer
         return req.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -186,13 +190,20 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
-                self.num_prompt_tokens += seq.num_prompt_tokens
+                if seq is req.first:
+                    self.num_prompt_tokens += seq.num_prompt_tokens
+            touched[req.request_id] = req
+            if req.beam is not None:
+                req.pending_beam_logprobs[seq.seq_id] = logprobs[seq.seq_id]
+                continue
             new = [seq] + (self._fork(req, seq) if seq.fork_ids else [])
             for s in new:
                 self._append_token(req, s, sampled[s.seq_id], logprobs.get(s.seq_id))
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            if req.beam is not None:
+                self._advance_beams(req)
             if req.finished:
                 del self.requests[req.request_id]
             out = req.output()
@@ -217,6 +228,48 @@ class LLMEngine:
             children.append(child)
         parent.fork_ids = []
         return children
+
+    def _advance_beams(self, req: RequestState) -> None:
+        """Once every running beam has its candidates, take one beam-search step: beams chosen
+        twice or more fork, beams chosen by none are freed at once."""
+        beams = [c.seq for c in req.completions]
+        if any(b.seq_id not in req.pending_beam_logprobs for b in beams):
+            return  # a preempted beam is still catching up
+        p = req.params
+        eos = frozenset() if p.ignore_eos else self.eos_token_ids
+        step = beam_step(req.beam, beams, req.pending_beam_logprobs, eos, p.max_tokens, self.max_model_len)
+        req.pending_beam_logprobs.clear()
+        chosen: dict[int, list[tuple[int, float]]] = {}
+        for parent, token, score in step.continuations:
+            chosen.setdefault(parent.seq_id, []).append((token, score))
+        survivors, scores = [], {}
+        for parent in beams:
+            picks = chosen.get(parent.seq_id)
+            if not picks:
+                self._finish(parent, SequenceStatus.FINISHED_ABORTED)  # dropped: its blocks come back now
+                continue
+            children = [self._fork_beam(parent) for _ in picks[1:]]  # before the parent moves on
+            for seq, (token, score) in zip([parent] + children, picks):
+                seq.token_ids.append(token)
+                self.num_generation_tokens += 1
+                survivors.append(seq)
+                scores[seq.seq_id] = score
+        req.beam.scores = scores
+        req.completions = [self._completion(s) for s in survivors]
+        if req.beam.done:
+            req.first.finish_time = time.monotonic()
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        child = Sequence(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, parent.params)
+        child.token_ids = list(parent.token_ids)
+        child.priority, child.arrival_time = parent.priority, parent.arrival_time
+        child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
+        if parent.status == SequenceStatus.RUNNING:
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+        else:  # the parent was preempted: the child recomputes (or re-finds) its context too
+            self.scheduler.add(child)
+        return child
 
     def _append_token(self, req: RequestState, seq: Sequence, token: int, logprobs) -> None:
         completion = next(c for c in req.completions if c.seq is seq)

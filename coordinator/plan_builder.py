@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from coordinator.beam_search import candidates_per_beam
 from coordinator.scheduler import SchedulerOutput
 from coordinator.sequence import Sequence
 from workers.step_plan import SeqSampling, StepPlan
@@ -34,6 +35,9 @@ def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | Non
         sampling.output_token_ids = tuple(seq.output_token_ids)
     if p.needs_logprobs:
         sampling.num_logprobs = p.logprobs or 0
+    if p.use_beam_search:  # the candidates beam search ranks
+        sampling.temperature = 0.0
+        sampling.num_logprobs = candidates_per_beam(p.beam_width, 0 if p.ignore_eos else len(eos_token_ids))
     return sampling
 
 

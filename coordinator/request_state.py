@@ -7,6 +7,7 @@ it forks into `best_of` sequences sharing the prompt's blocks (see LLMEngine._fo
 
 from __future__ import annotations
 
+from coordinator.beam_search import BeamState
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from coordinator.sampling_params import SamplingParams
@@ -70,26 +71,57 @@ class Completion:
 
 
 class RequestState:
-    __slots__ = ("request_id", "prompt", "params", "completions")
+    """`completions`: one per sample; under beam search, one per running beam (beams come and go),
+    and the result is `beam.hypotheses`."""
 
-    def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: Completion):
+    __slots__ = ("request_id", "prompt", "params", "completions", "first", "beam", "pending_beam_logprobs",
+                 "tokenizer")
+
+    def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: Completion,
+                 tokenizer=None):
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.completions = [first]
+        self.first = first.seq
+        self.tokenizer = tokenizer
+        self.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping) \
+            if params.use_beam_search else None
+        self.pending_beam_logprobs: dict = {}  # beam seq_id -> this step's TokenLogprobs
 
     @property
     def seq(self) -> Sequence:
         """The first sequence (the one that computes the prompt)."""
-        return self.completions[0].seq
+        return self.first
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return not self.seq.fork_ids and all(c.seq.status.finished for c in self.completions)
+
+    def _beam_output(self) -> RequestOutput | None:
+        if not self.beam.done:
+            return None
+        outputs = []
+        for i, h in enumerate(self.beam.hypotheses[:self.params.n]):
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+            outputs.append(CompletionOutput(i, text, h.token_ids, "stop" if h.ended_by_eos else "length",
+                                            cumulative_logprob=h.cumulative_logprob,
+                                            delta_text=text, delta_token_ids=list(h.token_ids)))
+        first = self.first
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 first.finish_time, first.num_cached_prompt_tokens, first.num_preemptions)
+        return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, True, metrics,
+                             delta_text=outputs[0].delta_text if outputs else "",
+                             delta_token_ids=outputs[0].delta_token_ids if outputs else [])
 
     def output(self) -> RequestOutput | None:
         """The request's state now: every sample, with what it added since the last output. With
-        best_of > n nothing streams: the n best (by cumulative logprob) come when all are done."""
+        best_of > n nothing streams: the n best (by cumulative logprob) come when all are done;
+        likewise under beam search, the n best hypotheses."""
+        if self.beam is not None:
+            return self._beam_output()
         params = self.params
         finished = self.finished
         completions = self.completions

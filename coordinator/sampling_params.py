@@ -44,6 +44,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,7 +91,9 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings; got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.use_beam_search:
+            self._validate_beam_search()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -113,6 +119,24 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (leave it unset to allow every token)")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
+
+    def _validate_beam_search(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        if self.beam_width > MAX_BEST_OF:
+            raise ValueError(f"beam_width must be <= {MAX_BEST_OF}; got {self.beam_width}")
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must be <= beam_width ({self.beam_width}) with use_beam_search")
+        _check_number("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never'; got {self.early_stopping!r}")
+        if self.max_tokens is None:
+            raise ValueError("max_tokens must be set with use_beam_search")
+        # What beam search here does not combine with yet: refused, never silently ignored.
+        for name, off in (("best_of", self.n), ("stop", []), ("logprobs", None), ("min_tokens", 0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("logit_bias", None), ("allowed_token_ids", None)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name} is not supported with use_beam_search; leave it at {off!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""

@@ -85,3 +85,15 @@ def test_smollm2_tensor_parallel_3_gives_the_tokens_of_one_rank(ray_session, smo
         three = [o.outputs[0].token_ids for o in tp3.generate(prompts, params, use_tqdm=False)]
         assert tp3.stats()["kv_blocks_total"] == 3 * smollm2.stats()["kv_blocks_total"]
     assert three == one
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_smollm2_beam_search_equals_transformers(smollm2, hf_smollm2, width):
+    from tests.test_beam_search import hf_beam
+
+    tok = smollm2.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    outs = smollm2.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(use_beam_search=True, beam_width=width, max_tokens=12), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_beam(hf_smollm2, p, width)

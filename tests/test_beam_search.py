@@ -1,0 +1,89 @@
+"""Beam search on shared blocks equals transformers' beam search, and frees dropped beams at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from tests.test_parallel_sampling import _assert_all_free, _prompt
+
+NEW = 12
+
+
+def hf_beam(model, prompt: list[int], width: int, new_tokens: int = NEW, **kw) -> list[int]:
+    """transformers' best beam (generated tokens; the EOS kept, padding dropped)."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=width, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0,
+                             **kw)[0, len(prompt):].tolist()
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i + 1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="float32").eval()
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_equals_transformers(tiny_llama, hf, width):
+    prompts = [_prompt(n, seed=s) for s, n in ((1, 5), (2, 17), (3, 33))]
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(use_beam_search=True, beam_width=width, n=width, max_tokens=NEW),
+                            use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_beam(hf, prompt, width)
+            assert len(out.outputs) == width
+            scores = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
+            assert scores == sorted(scores, reverse=True)
+        _assert_all_free(llm)
+
+
+def test_length_penalty_and_early_stopping_follow_transformers(tiny_llama, hf):
+    prompt = _prompt(9, seed=5)
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:
+        for kw in ({"length_penalty": 0.0, "early_stopping": "never"}, {"length_penalty": 2.0, "early_stopping": True}):
+            ours = llm.generate({"prompt_token_ids": prompt},
+                                SamplingParams(use_beam_search=True, beam_width=3, max_tokens=NEW, **kw),
+                                use_tqdm=False)[0].outputs[0].token_ids
+            assert ours == hf_beam(hf, prompt, 3, **kw)
+
+
+def test_beams_share_blocks_and_dropped_beams_free_theirs_at_once(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False) as llm:
+        engine, pool = llm.engine, llm.engine.kv.pool
+        engine.add_request("b", None, _prompt(100, seed=8), SamplingParams(use_beam_search=True, beam_width=4,
+                                                                           max_tokens=30, ignore_eos=True))
+        seen_shared = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            req = engine.requests.get("b")
+            if req is None:
+                break
+            beams = [c.seq for c in req.completions]
+            assert len(beams) <= 4
+            held = {b for s in beams for b in s.block_table}
+            assert pool.num_used == len(held)  # no block outlives the beams that held it
+            shared = [b for b in held if pool.ref_counts[b] > 1]
+            seen_shared |= bool(shared)
+            # The prompt's 6 full blocks are held once and shared by every beam.
+            assert all(pool.ref_counts[b] == len(beams) for b in beams[0].block_table[:6])
+        assert seen_shared
+        _assert_all_free(llm)
+
+
+def test_beam_search_refuses_what_it_does_not_combine_with():
+    with pytest.raises(ValueError, match="n \\(5\\) must be <= beam_width \\(4\\)"):
+        SamplingParams(use_beam_search=True, beam_width=4, n=5)
+    with pytest.raises(ValueError, match="stop is not supported with use_beam_search"):
+        SamplingParams(use_beam_search=True, stop=["x"])
+    with pytest.raises(ValueError, match="early_stopping must be"):
+        SamplingParams(use_beam_search=True, early_stopping="sometimes")
