@@ -32,12 +32,16 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; bad values raise ValueError."""
     kwargs = {name: getattr(msg, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n", "best_of", "repetition_penalty",
-        "logprobs", "skip_special_tokens") if msg.HasField(name)}
+        "logprobs", "skip_special_tokens", "beam_width", "length_penalty") if msg.HasField(name)}
+    early = {"": False, "false": False, "true": True, "never": "never"}.get(msg.early_stopping.lower())
+    if early is None:
+        raise ValueError(f"early_stopping must be true, false or never; got {msg.early_stopping!r}")
     return SamplingParams(min_tokens=msg.min_tokens, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
                           frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias) or None,
                           allowed_token_ids=list(msg.allowed_token_ids) or None,
-                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
+                          use_beam_search=msg.use_beam_search, early_stopping=early, **kwargs)
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):

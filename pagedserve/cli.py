@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, help_text in _SAMPLING_FLAGS:
         gen.add_argument(flag, type=kind, default=None, help=help_text)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--beam-search", action="store_true", help="beam search instead of sampling")
     gen.add_argument("--priority", type=int, default=0, help="lower runs first on a server with "
                                                             "--scheduling-policy priority")
 
@@ -102,6 +103,8 @@ _SAMPLING_FLAGS = (
     ("--frequency-penalty", float, "[-2, 2], over generated tokens"),
     ("--repetition-penalty", float, "(0, 2], over prompt and generated tokens"),
     ("--logprobs", int, "print each token's logprob and the top k"),
+    ("--beam-width", int, "beams kept by --beam-search (default 4)"),
+    ("--length-penalty", float, "beam score = cumulative logprob / length ** this (default 1)"),
 )
 
 
@@ -141,6 +144,8 @@ def run_generate(args) -> int:
             sampling[name] = getattr(args, name)
     if args.stop:
         sampling["stop"] = args.stop
+    if args.beam_search:
+        sampling["use_beam_search"] = True
     try:
         with _client(args, args.timeout) as client:
             if args.stream:

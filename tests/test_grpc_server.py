@@ -206,6 +206,9 @@ def test_cli_generate_and_stats_talk_to_a_running_server(llm, server, capsys):
     out = capsys.readouterr().out
     assert "--- sample 0 ---" in out and "--- sample 1 ---" in out
     assert out.count("(rank ") == 6 and out.count("top: ") == 6
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4", "--beam-search",
+                     "--beam-width", "3", "--n", "2"]) == 0
+    assert capsys.readouterr().out.count("--- sample") == 2
 
 
 def test_parallel_samples_logprobs_and_penalties_over_grpc_equal_the_offline_api(llm, server):
@@ -229,3 +232,19 @@ def test_parallel_samples_logprobs_and_penalties_over_grpc_equal_the_offline_api
             assert [t["token_id"] for t in step["top"]] == sorted(
                 (t for t in expected if expected[t].rank <= 2), key=lambda t: expected[t].rank)
         assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-4
+
+
+def test_beam_search_over_grpc_equals_the_offline_api(llm, server):
+    import pagedserve
+
+    offline = llm.generate({"prompt_token_ids": [3, 1, 4, 1, 5]},
+                           SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=8,
+                                          early_stopping="never"), use_tqdm=False)[0]
+    with pagedserve.Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        served = client.generate_all([3, 1, 4, 1, 5], use_beam_search=True, beam_width=3, n=2, max_tokens=8,
+                                     early_stopping="never")
+        with pytest.raises(pagedserve.ServingError) as err:
+            client.generate("x", use_beam_search=True, early_stopping="maybe")
+    assert [c.token_ids for c in served] == [o.token_ids for o in offline.outputs]
+    assert served[0].usage["completion_tokens"] == 16
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "early_stopping" in err.value.details
