@@ -181,6 +181,10 @@ class LLMEngine:
         logprobs = dict(zip(output.seq_ids, output.logprobs)) if output.logprobs else {}
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        if output.prompt_logprobs:
+            by_id = {seq.seq_id: seq for seq, _ in sched.scheduled}
+            for seq_id, (position, entries) in output.prompt_logprobs.items():
+                self.requests[by_id[seq_id].request_id].record_prompt_logprobs(position, entries)
         for seq, n in sched.scheduled:
             old = seq.num_computed_tokens
             seq.num_computed_tokens = old + n

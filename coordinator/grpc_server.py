@@ -32,7 +32,7 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; bad values raise ValueError."""
     kwargs = {name: getattr(msg, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n", "best_of", "repetition_penalty",
-        "logprobs", "skip_special_tokens", "beam_width", "length_penalty") if msg.HasField(name)}
+        "logprobs", "skip_special_tokens", "beam_width", "length_penalty", "prompt_logprobs") if msg.HasField(name)}
     early = {"": False, "false": False, "true": True, "never": "never"}.get(msg.early_stopping.lower())
     if early is None:
         raise ValueError(f"early_stopping must be true, false or never; got {msg.early_stopping!r}")
@@ -126,8 +126,17 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         try:
             out = first
             done: set[int] = set()  # samples whose last response has gone out
+            first_response = True
             while True:
-                for resp in _responses(out, done, params.logprobs or 0):
+                responses = _responses(out, done, params.logprobs or 0)
+                if first_response and out.prompt_logprobs is not None:
+                    if not responses:
+                        responses.append(serving_pb2.GenerateResponse(request_id=out.request_id))
+                    responses[0].prompt_logprobs.extend(
+                        _position_logprobs(step, token, params.prompt_logprobs)
+                        for step, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:]))
+                first_response = False
+                for resp in responses:
                     yield resp
                 if out.finished:
                     break

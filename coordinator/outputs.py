@@ -48,6 +48,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # With prompt_logprobs: None for the first prompt token, then {token id: Logprob} per token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # outputs[0]'s delta (for streaming a request with one sample).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

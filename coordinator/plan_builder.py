@@ -7,7 +7,7 @@ import numpy as np
 from coordinator.beam_search import candidates_per_beam
 from coordinator.scheduler import SchedulerOutput
 from coordinator.sequence import Sequence
-from workers.step_plan import SeqSampling, StepPlan
+from workers.step_plan import PromptLogprobsRequest, SeqSampling, StepPlan
 
 
 def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | None = None,
@@ -55,6 +55,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     sample_indices = []
     sampling = []
+    prompt_logprobs = []
     t = 0
     for i, (seq, n) in enumerate(scheduled):
         start, table = seq.num_computed_tokens, seq.block_table
@@ -68,6 +69,11 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
             input_ids[t:t + n] = seq.token_ids[start:end]
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = np.asarray(table)[pos // block_size] * block_size + pos % block_size
+        if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # Position p's logits predict prompt token p + 1, for every p before the prompt's last.
+            last = min(end, seq.num_prompt_tokens - 1)
+            prompt_logprobs.append(PromptLogprobsRequest(seq.seq_id, start, t, seq.token_ids[start + 1:last + 1],
+                                                         seq.params.prompt_logprobs))
         query_lens[i] = n
         context_lens[i] = end
         block_tables[i, :len(table)] = table
@@ -84,4 +90,4 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         input_ids=input_ids, positions=positions, query_lens=query_lens, context_lens=context_lens,
         block_tables=block_tables, slot_mapping=slot_mapping,
         sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
-        copy=sched.copies, finished_seq_ids=finished_seq_ids)
+        copy=sched.copies, finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs)

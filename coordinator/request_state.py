@@ -15,6 +15,15 @@ from coordinator.sequence import Sequence
 from workers.step_plan import TokenLogprobs
 
 
+def logprob_dict(entry: TokenLogprobs, tokenizer) -> dict[int, Logprob]:
+    """vLLM's shape: {token id: Logprob} for the top k and the chosen (or actual) token."""
+    decode = tokenizer.decode
+    step = {tid: Logprob(lp, rank, decode([tid])) for rank, (tid, lp) in
+            enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
+    step[entry.token_id] = Logprob(entry.logprob, entry.rank, decode([entry.token_id]))
+    return step
+
+
 class Completion:
     __slots__ = ("seq", "detok", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob")
 
@@ -28,13 +37,8 @@ class Completion:
 
     def record_logprobs(self, entry: TokenLogprobs, tokenizer, keep: bool) -> None:
         self.cumulative_logprob += entry.logprob
-        if not keep:
-            return
-        decode = tokenizer.decode
-        step = {tid: Logprob(lp, rank, decode([tid])) for rank, (tid, lp) in
-                enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
-        step[entry.token_id] = Logprob(entry.logprob, entry.rank, decode([entry.token_id]))
-        self.logprobs.append(step)
+        if keep:
+            self.logprobs.append(logprob_dict(entry, tokenizer))
 
     def truncate_at_stop_string(self) -> bool:
         """Cut the text at the earliest stop string (after it with include_stop_str_in_output);
@@ -75,7 +79,7 @@ class RequestState:
     and the result is `beam.hypotheses`."""
 
     __slots__ = ("request_id", "prompt", "params", "completions", "first", "beam", "pending_beam_logprobs",
-                 "tokenizer")
+                 "tokenizer", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: Completion,
                  tokenizer=None):
@@ -88,6 +92,17 @@ class RequestState:
         self.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping) \
             if params.use_beam_search else None
         self.pending_beam_logprobs: dict = {}  # beam seq_id -> this step's TokenLogprobs
+        self.prompt_logprobs: dict[int, dict] = {}  # prompt position p -> logprobs of token p + 1
+
+    def record_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Chunks arrive in order; a recomputed prompt (after preemption) brings the same again."""
+        for offset, entry in enumerate(entries):
+            self.prompt_logprobs.setdefault(first_position + offset, logprob_dict(entry, self.tokenizer))
+
+    def _prompt_logprobs_list(self) -> list | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None] + [self.prompt_logprobs.get(p) for p in range(self.first.num_prompt_tokens - 1)]
 
     @property
     def seq(self) -> Sequence:
@@ -113,6 +128,7 @@ class RequestState:
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  first.finish_time, first.num_cached_prompt_tokens, first.num_preemptions)
         return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, True, metrics,
+                             prompt_logprobs=self._prompt_logprobs_list(),
                              delta_text=outputs[0].delta_text if outputs else "",
                              delta_token_ids=outputs[0].delta_token_ids if outputs else [])
 
@@ -136,4 +152,5 @@ class RequestState:
                                  first.num_cached_prompt_tokens,
                                  sum(c.seq.num_preemptions for c in self.completions))
         return RequestOutput(self.request_id, self.prompt, first.prompt_token_ids, outputs, finished, metrics,
+                             prompt_logprobs=self._prompt_logprobs_list(),
                              delta_text=outputs[0].delta_text, delta_token_ids=outputs[0].delta_token_ids)

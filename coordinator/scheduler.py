@@ -131,7 +131,8 @@ class Scheduler:
         kv = self.kv
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
-            computed = kv.get_computed_blocks(seq)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
+            computed = kv.get_computed_blocks(seq) if seq.params.prompt_logprobs is None else []
             num_new = seq.num_tokens - len(computed) * kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break

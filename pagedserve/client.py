@@ -49,6 +49,7 @@ class Completion:
     index: int = 0
     logprobs: list[dict] = field(default_factory=list)
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict] = field(default_factory=list)  # prompt tokens after the first
 
 
 # Keyword arguments that belong to the request rather than to its SamplingParams.
@@ -80,6 +81,9 @@ def _chunk(resp: pb.GenerateResponse) -> Chunk:
 def _fold(completions: dict[int, Completion], resp: pb.GenerateResponse) -> None:
     """Add one response to the completion of its sample."""
     completion = completions.setdefault(resp.index, Completion(index=resp.index))
+    if resp.prompt_logprobs:
+        completion.prompt_logprobs = [{**_logprob(p.sampled), "top": [_logprob(t) for t in p.top]}
+                                      for p in resp.prompt_logprobs]
     chunk = _chunk(resp)
     completion.token_ids += chunk.token_ids
     completion.text += chunk.text

@@ -234,6 +234,20 @@ def test_parallel_samples_logprobs_and_penalties_over_grpc_equal_the_offline_api
         assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-4
 
 
+def test_prompt_logprobs_over_grpc_equal_the_offline_api(llm, server):
+    import pagedserve
+
+    prompt = [21, 22, 23, 24, 25, 26]
+    offline = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=2),
+                           use_tqdm=False)[0].prompt_logprobs
+    with pagedserve.Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        served = client.generate(prompt, max_tokens=2, prompt_logprobs=2).prompt_logprobs
+    assert [p["token_id"] for p in served] == prompt[1:]
+    for got, want, token in zip(served, offline[1:], prompt[1:]):
+        assert abs(got["logprob"] - want[token].logprob) < 1e-5 and got["rank"] == want[token].rank
+        assert len(got["top"]) == 2
+
+
 def test_beam_search_over_grpc_equals_the_offline_api(llm, server):
     import pagedserve
 

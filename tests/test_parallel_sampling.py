@@ -211,3 +211,24 @@ def test_abort_in_every_state_returns_every_block(tiny_llama):
         assert states["running"] == {"running"}
         assert states["some-done"] == {"running", "stop"}
         _assert_all_free(llm)
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks_and_cached_prefixes(tiny_llama, hf):
+    prompt = _prompt(45, seed=12)
+    with LLM(tiny_llama, kv_cache_memory=1 << 24, block_size=BLOCK, max_num_batched_tokens=7) as llm:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)  # now cached
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+        _assert_all_free(llm)
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position, step in enumerate(out.prompt_logprobs[1:]):
+        token, ref = prompt[position + 1], reference[position]
+        assert abs(step[token].logprob - ref[token].item()) < 1e-4
+        # Deep in the tail many logprobs lie within float noise of each other: rank up to ties.
+        lowest, highest = (int((ref > ref[token] + d).sum()) + 1 for d in (1e-4, -1e-4))
+        assert lowest <= step[token].rank <= highest
+        top = ref.topk(3)
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(step[tid].logprob - lp) < 1e-4

@@ -50,6 +50,18 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobsRequest:
+    """Logprobs of prompt tokens computed this step: the rows `first_row .. first_row + len(targets)`
+    of the step's flat tokens predict `targets` (the prompt token after each)."""
+
+    seq_id: int
+    first_position: int  # prompt position of the first row
+    first_row: int
+    targets: list[int]
+    num_logprobs: int
+
+
+@dataclass(slots=True)
 class StepPlan:
     seq_ids: list[int]
     input_ids: np.ndarray  # [T] int64, tokens of all sequences, flattened in sequence order
@@ -64,6 +76,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, device_block)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their per-sequence state
+    prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -75,4 +88,6 @@ class StepOutput:
     seq_ids: list[int]  # the sequences that sampled a token, in plan order
     token_ids: np.ndarray  # [N] int64
     logprobs: list[TokenLogprobs | None] | None = None  # parallel to seq_ids, where asked for
+    # seq_id -> (first prompt position, [TokenLogprobs of the token after each position])
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch

@@ -12,7 +12,7 @@ from pagedserve.config import EngineConfig, ModelSource
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_loader import load_hf_config, load_model, resolve_dtype
 from workers.parallel import TensorParallel
-from workers.sampler import Sampler
+from workers.sampler import Sampler, token_logprobs
 from workers.step_plan import StepOutput, StepPlan
 
 
@@ -95,12 +95,27 @@ class Worker:
         meta.workspace = self._workspace(meta.max_gathered_blocks)
         hidden = self.model(_tensor(plan.input_ids), _tensor(plan.positions),
                             self.kv_cache, meta)
+        prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprobs else {}
         if len(plan.sample_indices) == 0:
-            return StepOutput([], np.zeros(0, dtype=np.int64))
+            return StepOutput([], np.zeros(0, dtype=np.int64), prompt_logprobs=prompt_logprobs)
         # The last token of each sequence that needs logits.
         last_token = np.cumsum(plan.query_lens)[plan.sample_indices] - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_token)])
         if logits is None:  # not rank 0: the logits went to rank 0
             return StepOutput([], np.zeros(0, dtype=np.int64))
         tokens, logprobs = self.sampler(logits, plan.sampling)
-        return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy(), logprobs=logprobs)
+        return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy(), logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> dict:
+        """Raw logprobs of prompt tokens (every rank computes its vocabulary shard; rank 0 ranks)."""
+        out = {}
+        for req in plan.prompt_logprobs:
+            rows = hidden[req.first_row:req.first_row + len(req.targets)]
+            logits = self.model.compute_logits(rows)
+            if logits is None:
+                continue
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out[req.seq_id] = (req.first_position, [token_logprobs(row, target, req.num_logprobs)
+                                                    for row, target in zip(logprobs, req.targets)])
+        return out
