@@ -90,3 +90,26 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_anything_starts
 def test_uni_executor_refuses_tensor_parallelism():
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM("unused", tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+def test_tp2_parallel_samples_logprobs_and_beams_equal_tp1(ray_session, tiny_llama):
+    from pagedserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    params = [SamplingParams(n=3, seed=2, temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1),
+              SamplingParams(use_beam_search=True, beam_width=2, max_tokens=6),
+              SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.5, logit_bias={7: 3.0})]
+
+    def run(**engine_args):
+        with LLM(tiny_llama, kv_cache_memory=1 << 22, **engine_args) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _assert_no_leak(llm)
+        logprobs = [(t, lp.logprob) for step in outs[0].outputs[0].logprobs for t, lp in sorted(step.items())]
+        logprobs += [(t, step[t].logprob) for step, t in zip(outs[0].prompt_logprobs[1:], PROMPTS[0][1:])]
+        return [[c.token_ids for c in o.outputs] for o in outs], logprobs
+
+    (tokens2, logprobs2), (tokens1, logprobs1) = run(tensor_parallel_size=2), run()
+    assert tokens2 == tokens1
+    assert [t for t, _ in logprobs2] == [t for t, _ in logprobs1]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(logprobs2, logprobs1))
