@@ -2,8 +2,9 @@
 
 1. parallel sampling n = 1, 4, 8 on the same prompts: peak KV blocks (against what n unshared
    copies of each sequence would hold) and generated tokens/s;
-2. beam search, widths 2 and 4: pagedserve against transformers' `generate(num_beams=k)` on the
-   same prompts: seconds, tokens/s, and how many best beams agree;
+2. beam search, widths 2 and 4: pagedserve (all prompts batched) against transformers'
+   `generate(num_beams=k)` (one prompt at a time) on the same prompts: seconds, tokens/s, and how
+   many best beams agree;
 3. priority scheduling under load: time to first token of high- and low-priority requests with
    scheduling_policy "priority" against "fcfs" on the same queue.
 
@@ -75,7 +76,8 @@ def beam_search(prompts, new_tokens: int) -> list[dict]:
 
     hf, _ = workload.load_hf_model(torch.float32)
     rows = []
-    with LLM(workload.MODEL, kv_cache_memory=1 << 30) as llm:
+    # No prefix caching: each width computes its prompts, as transformers does.
+    with LLM(workload.MODEL, kv_cache_memory=1 << 30, enable_prefix_caching=False) as llm:
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
         for width in (2, 4):
             params = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=new_tokens)
