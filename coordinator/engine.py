@@ -203,7 +203,6 @@ class LLMEngine:
             new = [seq] + (self._fork(req, seq) if seq.fork_ids else [])
             for s in new:
                 self._append_token(req, s, sampled[s.seq_id], logprobs.get(s.seq_id))
-            touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             if req.beam is not None:
@@ -218,20 +217,24 @@ class LLMEngine:
     def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
         """The parent's prompt is computed: fork the other samples onto its blocks (ref counts,
         no copy; the first write into the shared partial block copies it)."""
-        children = []
-        for fork_id in parent.fork_ids:
-            child = Sequence(fork_id, parent.request_id, parent.prompt_token_ids, parent.params)
-            child.priority = parent.priority
-            child.arrival_time = parent.arrival_time
-            child.first_scheduled_time = parent.first_scheduled_time
-            child.first_token_time = parent.first_token_time
-            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child)
-            req.completions.append(self._completion(child))
-            children.append(child)
+        children = [self._spawn(parent, fork_id) for fork_id in parent.fork_ids]
+        req.completions += [self._completion(child) for child in children]
         parent.fork_ids = []
         return children
+
+    def _spawn(self, parent: Sequence, seq_id: int) -> Sequence:
+        """A new sample or beam continuing `parent`: its tokens and timings, its blocks shared."""
+        child = Sequence(seq_id, parent.request_id, parent.prompt_token_ids, parent.params)
+        child.token_ids = list(parent.token_ids)
+        child.priority, child.arrival_time = parent.priority, parent.arrival_time
+        child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        if parent.status == SequenceStatus.RUNNING:
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+        else:  # the parent was preempted: the child recomputes (or re-finds) its context too
+            self.scheduler.add(child)
+        return child
 
     def _advance_beams(self, req: RequestState) -> None:
         """Once every running beam has its candidates, take one beam-search step: beams chosen
@@ -252,7 +255,7 @@ class LLMEngine:
             if not picks:
                 self._finish(parent, SequenceStatus.FINISHED_ABORTED)  # dropped: its blocks come back now
                 continue
-            children = [self._fork_beam(parent) for _ in picks[1:]]  # before the parent moves on
+            children = [self._spawn(parent, next(self._seq_ids)) for _ in picks[1:]]  # before the parent moves on
             for seq, (token, score) in zip([parent] + children, picks):
                 seq.token_ids.append(token)
                 self.num_generation_tokens += 1
@@ -262,18 +265,6 @@ class LLMEngine:
         req.completions = [self._completion(s) for s in survivors]
         if req.beam.done:
             req.first.finish_time = time.monotonic()
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = Sequence(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, parent.params)
-        child.token_ids = list(parent.token_ids)
-        child.priority, child.arrival_time = parent.priority, parent.arrival_time
-        child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
-        if parent.status == SequenceStatus.RUNNING:
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child)
-        else:  # the parent was preempted: the child recomputes (or re-finds) its context too
-            self.scheduler.add(child)
-        return child
 
     def _append_token(self, req: RequestState, seq: Sequence, token: int, logprobs) -> None:
         completion = next(c for c in req.completions if c.seq is seq)
