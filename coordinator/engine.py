@@ -13,6 +13,7 @@ import time
 
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.beam_search import beam_step
+from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.outputs import RequestOutput
 from coordinator.plan_builder import build_step_plan
@@ -24,6 +25,7 @@ from coordinator.stats import engine_stats
 from pagedserve.config import EngineConfig, resolve_model
 from workers.executor import InProcessExecutor
 from workers.model_loader import load_hf_config
+from kvstore.store import StoreHandle
 from workers.parallel import check_tensor_parallel_size
 
 
@@ -55,8 +57,15 @@ class LLMEngine:
             self.executor.shutdown()  # no worker actor outlives a refused configuration
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap_block_bytes = 0  # one block over every rank, as swapped
+        try:
+            self.kv_store, cpu = self._open_kv_store()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy, cpu,
+                                   config.preemption_mode)
         self.eos_token_ids = frozenset(_eos_ids(self.tokenizer, hf_config))
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -67,6 +76,23 @@ class LLMEngine:
         self.num_steps = 0
         self.execute_seconds = 0.0  # executor.execute as the engine sees it
         self.worker_seconds = 0.0  # of which rank 0 computed; the difference is dispatch overhead
+
+    def _open_kv_store(self):
+        """The CPU KV store of `swap_space` GiB and the allocator of its block ids, or (None, None)."""
+        if self.config.swap_space <= 0:
+            return None, None
+        block_bytes = self.executor.block_bytes()
+        tp = self.config.tensor_parallel_size
+        num_cpu_blocks = int(self.config.swap_space * (1 << 30)) // (block_bytes * tp)
+        node_id = self.executor.node_id() if hasattr(self.executor, "node_id") else None
+        store = StoreHandle(num_cpu_blocks, tp, block_bytes, node_id)
+        self.swap_block_bytes = block_bytes * tp
+        try:
+            self.executor.attach_kv_store(store.layout)
+        except BaseException:
+            store.close()
+            raise
+        return store, CpuBlockPool(num_cpu_blocks)
 
     def _size_kv_pool(self, model_max_len: int) -> int:
         """The pool's block count from the workers; sets max_model_len within it."""
@@ -304,6 +330,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_store is not None:
+            self.kv_store.close()
+            self.kv_store = None
 
 
 def _executor_class(config: EngineConfig):

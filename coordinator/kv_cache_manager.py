@@ -165,6 +165,62 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
 
+    # ---- swap ------------------------------------------------------------------------------
+    def swap_out(self, seqs: list[Sequence], cpu) -> list[tuple[int, int]] | None:
+        """Move a group's blocks to the CPU store, one CPU block per distinct device block, so
+        that sharing survives. Returns the (device, cpu) copies for the workers, or None, with
+        nothing changed, when the store lacks room. Copy-on-write copies pending for these
+        sequences are cancelled: the swap reads their source block instead, whose data the copy
+        would have produced (the workers swap out before they copy)."""
+        distinct = list(dict.fromkeys(b for seq in seqs for b in seq.block_table))
+        if len(distinct) > cpu.num_free:
+            return None
+        pending = {dst: src for src, dst in self.pending_copies}
+        cancelled = set(distinct) & pending.keys()
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in cancelled]
+        mapping = {b: cpu.allocate() for b in distinct}
+        copies = [(pending.get(b, b), mapping[b]) for b in distinct]
+        seen = set()
+        for seq in seqs:
+            seq.cpu_block_table = [mapping[b] for b in seq.block_table]
+            for c in seq.cpu_block_table:
+                if c in seen:
+                    cpu.incref(c)
+                seen.add(c)
+            computed = seq.num_computed_tokens
+            self.free(seq)
+            seq.num_computed_tokens = computed  # its K/V live on in the store
+        return copies
+
+    def swap_in(self, seqs: list[Sequence], cpu) -> list[tuple[int, int]] | None:
+        """Bring a swapped group back onto fresh device blocks (sharing kept). Returns the
+        (cpu, device) copies, or None, with nothing changed, when the device pool lacks room."""
+        distinct = list(dict.fromkeys(c for seq in seqs for c in seq.cpu_block_table))
+        if len(distinct) + self.watermark_blocks > self.pool.num_free:
+            return None
+        mapping = {c: self.pool.allocate() for c in distinct}
+        seen = set()
+        for seq in seqs:
+            seq.block_table = [mapping[c] for c in seq.cpu_block_table]
+            for i, b in enumerate(seq.block_table):
+                if b in seen:
+                    self.pool.incref(b)
+                    continue
+                seen.add(b)
+                fill = max(0, min(self.block_size, seq.num_computed_tokens - i * self.block_size))
+                self.block_fill[b] = fill
+                self.filled_slots += fill
+            # Swapped-in blocks are not re-registered in the prefix cache.
+            self._num_registered[seq.seq_id] = seq.num_computed_tokens // self.block_size
+            self.free_cpu(seq, cpu)
+        return [(c, mapping[c]) for c in distinct]
+
+    @staticmethod
+    def free_cpu(seq: Sequence, cpu) -> None:
+        for c in seq.cpu_block_table:
+            cpu.decref(c)
+        seq.cpu_block_table = []
+
     def drain_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

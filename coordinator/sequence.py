@@ -33,7 +33,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
-                 "stop_reason", "num_preemptions", "fork_ids", "priority")
+                 "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
@@ -56,6 +56,7 @@ class Sequence:
         # Sequence ids of the samples to fork off when the first token is sampled (n/best_of > 1).
         self.fork_ids: list[int] = []
         self.priority = 0  # lower runs first under the priority scheduling policy
+        self.cpu_block_table: list[int] = []  # while swapped out: its blocks in the CPU KV store
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,12 @@ def engine_stats(engine) -> dict:
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
         "num_steps": engine.num_steps,
+        "swap_out_blocks": sched.swap_out_blocks,
+        "swap_in_blocks": sched.swap_in_blocks,
+        "swap_out_bytes": sched.swap_out_blocks * engine.swap_block_bytes,
+        "swap_in_bytes": sched.swap_in_blocks * engine.swap_block_bytes,
+        "cpu_blocks_total": sched.cpu.num_blocks if sched.cpu else 0,
+        "cpu_blocks_used": sched.cpu.num_used if sched.cpu else 0,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (
             1e6 * (engine.execute_seconds - engine.worker_seconds) / max(1, engine.num_steps)),

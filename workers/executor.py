@@ -19,8 +19,16 @@ class InProcessExecutor:
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks)
 
+    def block_bytes(self) -> int:
+        return self.worker.block_bytes()
+
+    def attach_kv_store(self, layout) -> None:
+        self.worker.attach_kv_store(layout)
+
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.execute(plan)
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.worker = None

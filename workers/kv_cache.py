@@ -39,3 +39,50 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=kv_cache.device)
         dst = torch.tensor([d for _, d in pairs], device=kv_cache.device)
         kv_cache[dst] = kv_cache[src]
+
+
+class SwapSpace:
+    """This rank's view of the CPU KV store's shared-memory pool: swaps are indexed copies
+    straight between the device cache and the segment, one slab per block."""
+
+    def __init__(self, layout, rank: int, kv_cache: torch.Tensor):
+        from kvstore.store import attach
+
+        self._kv_bytes = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+        layout.check([], rank, self._kv_bytes.shape[1])  # before mapping anything
+        self.layout, self.rank = layout, rank
+        self._shm, self.valid, data = attach(layout)
+        self._data = torch.from_numpy(data[:, rank])  # [num_cpu_blocks, block_bytes], strided
+
+    def _ids(self, pairs, device_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        device = [p[0] if device_first else p[1] for p in pairs]
+        cpu = [p[1] if device_first else p[0] for p in pairs]
+        self.layout.check(cpu, self.rank)
+        bad = [b for b in device if not 0 <= b < self._kv_bytes.shape[0]]
+        if bad:
+            raise ValueError(f"device block {bad[0]} is not in [0, {self._kv_bytes.shape[0]})")
+        return torch.tensor(device), torch.tensor(cpu)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, cpu block) pairs: write this rank's shards, then mark them valid."""
+        if pairs:
+            device, cpu = self._ids(pairs, device_first=True)
+            self._data[cpu] = self._kv_bytes[device]
+            self.valid[cpu.numpy(), self.rank] = 1
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu block, device block) pairs: read this rank's shards back and release them."""
+        if pairs:
+            device, cpu = self._ids(pairs, device_first=False)
+            if not self.valid[cpu.numpy(), self.rank].all():
+                raise RuntimeError("swap-in of a CPU block this rank never wrote")
+            self._kv_bytes[device] = self._data[cpu]
+            self.valid[cpu.numpy(), self.rank] = 0
+
+    def close(self) -> None:
+        """Unmap the segment (the store owns and unlinks it)."""
+        self._data = self._kv_bytes = self.valid = None
+        try:
+            self._shm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+            pass

@@ -59,11 +59,20 @@ class WorkerActor:
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks)
 
+    def block_bytes(self) -> int:
+        return self.worker.block_bytes()
+
+    def attach_kv_store(self, layout) -> None:
+        self.worker.attach_kv_store(layout)
+
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.execute(plan)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -112,9 +121,19 @@ class RayExecutor:
     def init_cache(self, num_blocks: int) -> None:
         ray.get([w.init_cache.remote(num_blocks) for w in self.workers])
 
+    def block_bytes(self) -> int:
+        return ray.get(self.workers[0].block_bytes.remote())
+
+    def attach_kv_store(self, layout) -> None:
+        ray.get([w.attach_kv_store.remote(layout) for w in self.workers])
+
     def execute(self, plan: StepPlan) -> StepOutput:
         ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank
         return ray.get([w.execute.remote(ref) for w in self.workers])[0]
+
+    def node_id(self) -> str:
+        """The node every rank runs on (STRICT_PACK): where the KV store must live."""
+        return ray.get(self.workers[0].node_id.remote())
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])

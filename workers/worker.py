@@ -9,7 +9,7 @@ import torch
 
 import kernels
 from pagedserve.config import EngineConfig, ModelSource
-from workers.kv_cache import KVCacheSpec, copy_blocks
+from workers.kv_cache import KVCacheSpec, SwapSpace, copy_blocks
 from workers.model_loader import load_hf_config, load_model, resolve_dtype
 from workers.parallel import TensorParallel
 from workers.sampler import Sampler, token_logprobs
@@ -53,6 +53,7 @@ class Worker:
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
         self.kv_cache: torch.Tensor | None = None
+        self.swap_space: SwapSpace | None = None
         self._gather_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         # Attention groups whose gathered K/V stay within this many bytes per layer are read back
         # from the CPU cache, not DRAM.
@@ -68,6 +69,18 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block of this rank's cache (its KV heads)."""
+        return self.cache_spec.block_bytes
+
+    def attach_kv_store(self, layout) -> None:
+        self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
+
+    def close(self) -> None:
+        if self.swap_space is not None:
+            self.swap_space.close()
+            self.swap_space = None
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """A gather buffer reused by every layer and step; grows, never shrinks."""
@@ -85,7 +98,13 @@ class Worker:
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.drop(plan.finished_seq_ids)
+        # Swap out before the copy-on-write copies: a block freed by a swap-out may be a copy's
+        # destination in the same step. A step never both swaps out and swaps in.
+        if plan.swap_out:
+            self.swap_space.swap_out(plan.swap_out)
         copy_blocks(self.kv_cache, plan.copy)
+        if plan.swap_in:
+            self.swap_space.swap_in(plan.swap_in)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
         meta = kernels.build_attention_metadata(

@@ -1,0 +1,142 @@
+"""The CPU KV store: a pool of `swap_space` bytes that swapped-out blocks live in.
+
+Layout of the named shared-memory segment (created owner-only, mode 0600, by the store):
+
+    [valid: num_cpu_blocks x tp_size bytes][data: num_cpu_blocks x tp_size x block_bytes_per_rank]
+
+A worker of rank r copies its shard of a device block into data[cpu_block, r] and then sets
+valid[cpu_block, r]; a block is valid once every rank has written its shard. Swapping in reads
+the shard and clears the flag. The coordinator hands out CPU block ids (its second allocator)
+and only moves ids; the data never passes through it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLayout:
+    segment: str
+    num_blocks: int
+    tp_size: int
+    block_bytes: int  # per rank
+
+    @property
+    def header_bytes(self) -> int:
+        return self.num_blocks * self.tp_size
+
+    @property
+    def size(self) -> int:
+        return self.header_bytes + self.num_blocks * self.tp_size * self.block_bytes
+
+    def check(self, blocks, rank: int, nbytes: int | None = None) -> None:
+        """Refuse ids outside the pool, an unknown rank, or a shard of the wrong size."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank {rank} is not in [0, {self.tp_size})")
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"cpu block {bad[0]} is not in [0, {self.num_blocks})")
+        if nbytes is not None and nbytes != self.block_bytes:
+            raise ValueError(f"a block shard is {self.block_bytes} bytes; got {nbytes}")
+
+
+def attach(layout: StoreLayout) -> tuple[shared_memory.SharedMemory, np.ndarray, np.ndarray]:
+    """Map the store's segment: (segment, valid[num_blocks, tp], data[num_blocks, tp, bytes])."""
+    shm = shared_memory.SharedMemory(name=layout.segment)
+    # Python 3.11 registers attached segments with its resource tracker, which would unlink the
+    # store's segment when this process exits: only the store owns it.
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    return shm, *_views(shm, layout)
+
+
+def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
+    buf = np.frombuffer(shm.buf, dtype=np.uint8)
+    valid = buf[:layout.header_bytes].reshape(layout.num_blocks, layout.tp_size)
+    data = buf[layout.header_bytes:layout.size].reshape(layout.num_blocks, layout.tp_size, layout.block_bytes)
+    return valid, data
+
+
+class KVStore:
+    """Owns the segment. Runs as a Ray actor (`KVStoreActor`) beside Ray workers, or in process."""
+
+    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int):
+        if num_blocks < 1:
+            raise ValueError(f"swap_space holds no KV block ({block_bytes * tp_size} bytes each)")
+        name = f"pagedserve-kv-{secrets.token_hex(6)}"
+        self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes)
+        # SharedMemory creates with mode 0600: only this user's processes can map it.
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.layout.size)
+        self._valid, self._data = _views(self._shm, self.layout)
+        self._valid[:] = 0
+
+    def get_layout(self) -> StoreLayout:
+        return self.layout
+
+    def stats(self) -> dict:
+        return {"cpu_blocks_total": self.layout.num_blocks,
+                "cpu_blocks_valid": int(self._valid.all(axis=1).sum())}
+
+    def valid_blocks(self, blocks: list[int]) -> list[bool]:
+        self.layout.check(blocks, 0)
+        return [bool(self._valid[b].all()) for b in blocks]
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._valid = self._data = None
+            self._shm.unlink()  # the name goes now; the memory when the last mapping does
+            try:
+                self._shm.close()
+            except BufferError:
+                pass
+            self._shm = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class StoreHandle:
+    """The engine's handle on its store, wherever it runs: in this process (the single-process
+    engine) or as a Ray actor on the workers' node."""
+
+    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, node_id: str | None = None):
+        if node_id is None:
+            self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes), None
+            self.layout = self._local.get_layout()
+            return
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor_cls = ray.remote(num_cpus=0)(KVStore)
+        self._local = None
+        # Same node as the workers: they map the segment the store creates.
+        self._actor = actor_cls.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+            num_blocks, tp_size, block_bytes)
+        self.layout = ray.get(self._actor.get_layout.remote())
+
+    def stats(self) -> dict:
+        if self._local is not None:
+            return self._local.stats()
+        import ray
+
+        return ray.get(self._actor.stats.remote())
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+        elif self._actor is not None:
+            import ray
+
+            try:
+                ray.get(self._actor.close.remote(), timeout=10)
+            finally:
+                ray.kill(self._actor)
+            self._actor = None

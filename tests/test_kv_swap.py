@@ -1,0 +1,99 @@
+"""Swap preemption through the CPU KV store (shared memory): outputs unchanged, nothing leaked."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from kvstore.store import KVStore
+from pagedserve import LLM, SamplingParams
+from tests.test_model_correctness import _generate, _prompts
+from workers.kv_cache import SwapSpace
+
+PROMPTS = _prompts(10, seed=21, high=60)
+# 24 blocks of 16 tokens for 10 sequences of up to 84 tokens: preemption is certain.
+TIGHT = 24 * 2 * 2 * 16 * 2 * 16 * 4  # blocks x layers x K/V x tokens x kv heads x head dim x fp32
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:
+        return _generate(llm, PROMPTS)
+
+
+def _assert_all_free(llm):
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0 and stats["num_swapped"] == 0
+    assert all(c == 0 for c in llm.engine.kv.pool.ref_counts)
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto", "recompute"])
+def test_preempted_outputs_equal_the_unpreempted_run(tiny_llama, expected, mode):
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode=mode,
+             max_num_batched_tokens=64) as llm:
+        assert llm.stats()["kv_blocks_total"] == 24
+        assert _generate(llm, PROMPTS) == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0
+        if mode == "recompute":
+            assert stats["swap_out_blocks"] == 0
+        else:
+            assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"]
+            assert stats["swap_out_bytes"] == stats["swap_out_blocks"] * 2 * 2 * 16 * 2 * 16 * 4
+        _assert_all_free(llm)
+
+
+def test_groups_swap_as_a_unit_and_keep_their_samples(tiny_llama):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    params = [SamplingParams(n=3, seed=s, temperature=0.9, max_tokens=20, ignore_eos=True) for s in range(4)] + \
+             [SamplingParams(use_beam_search=True, beam_width=3, max_tokens=12)]
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as roomy:
+        want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode="swap",
+             max_num_batched_tokens=64) as tight:
+        got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert tight.stats()["swap_out_blocks"] > 0
+        _assert_all_free(tight)
+    assert got == want
+
+
+def test_swap_under_tensor_parallelism_uses_a_store_actor(ray_session, tiny_llama, expected):
+    tight = TIGHT // 2  # each of the two ranks holds one of the two KV heads
+    with LLM(tiny_llama, kv_cache_memory=tight, swap_space=0.01, preemption_mode="swap", tensor_parallel_size=2,
+             max_num_batched_tokens=64) as llm:
+        assert llm.engine.kv_store._actor is not None
+        assert _generate(llm, PROMPTS) == expected
+        assert llm.stats()["swap_out_blocks"] > 0
+        _assert_all_free(llm)
+
+
+def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
+    store = KVStore(num_blocks=4, tp_size=2, block_bytes=64)
+    try:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm/{store.layout.segment}").st_mode)
+        assert mode == 0o600
+        cache = torch.arange(3 * 16, dtype=torch.float32).view(3, 16)  # 3 blocks of 64 bytes
+        space = SwapSpace(store.layout, rank=1, kv_cache=cache)
+        space.swap_out([(0, 2)])
+        assert store.valid_blocks([2]) == [False]  # rank 0 has not written its shard yet
+        before = bytes(space._data.numpy().tobytes()), space.valid.copy()
+        for bad, words in (([(0, 4)], "cpu block 4 is not in"), ([(3, 1)], "device block 3 is not in"),
+                           ([(0, -1)], "cpu block -1 is not in")):
+            with pytest.raises(ValueError, match=words):
+                space.swap_out(bad)
+        assert space._data.numpy().tobytes() == before[0] and (space.valid == before[1]).all()
+        with pytest.raises(ValueError, match="rank 2 is not in"):
+            SwapSpace(store.layout, rank=2, kv_cache=cache)
+        with pytest.raises(ValueError, match="a block shard is 64 bytes; got 32"):
+            SwapSpace(store.layout, rank=0, kv_cache=cache.view(6, 8))
+        with pytest.raises(RuntimeError, match="never wrote"):
+            space.swap_in([(3, 1)])
+        space.swap_in([(2, 1)])
+        assert torch.equal(cache[1], cache[0])
+        space.close()
+    finally:
+        store.close()
+    assert not os.path.exists(f"/dev/shm/{store.layout.segment}")
