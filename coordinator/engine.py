@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import time
 
@@ -27,6 +28,9 @@ from workers.executor import InProcessExecutor
 from workers.model_loader import load_hf_config
 from kvstore.store import StoreHandle
 from workers.parallel import check_tensor_parallel_size
+
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -58,6 +62,7 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_block_bytes = 0  # one block over every rank, as swapped
+        self.kv_store_restarts = 0
         try:
             self.kv_store, cpu = self._open_kv_store()
         except BaseException:
@@ -93,6 +98,19 @@ class LLMEngine:
             store.close()
             raise
         return store, CpuBlockPool(num_cpu_blocks)
+
+    def _restart_kv_store(self) -> None:
+        """The store died: swapped groups recompute (same tokens), and a new store takes over.
+        If none can be started, preemption recomputes from now on."""
+        moved = self.scheduler.recompute_swapped()
+        log.warning("the KV store died; %d swapped sequences will recompute; restarting it", moved)
+        self.kv_store.close()
+        self.kv_store_restarts += 1
+        try:
+            self.kv_store, self.scheduler.cpu = self._open_kv_store()
+        except Exception as e:  # the engine goes on without a store rather than stall or fail
+            log.error("the KV store could not be restarted (%r); preemption recomputes from now on", e)
+            self.kv_store, self.scheduler.cpu = None, None
 
     def _size_kv_pool(self, model_max_len: int) -> int:
         """The pool's block count from the workers; sets max_model_len within it."""
@@ -187,6 +205,8 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv_store is not None and not self.kv_store.alive():
+            self._restart_kv_store()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for seq, _ in sched.scheduled:

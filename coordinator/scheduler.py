@@ -201,6 +201,19 @@ class Scheduler:
         self._recompute(victim)
         return [victim]
 
+    def recompute_swapped(self) -> int:
+        """The store is gone: every swapped group goes back to waiting (oldest first, ahead of
+        new work) to recompute its context; no request is lost. Returns how many sequences."""
+        groups, self.swapped = list(self.swapped), deque()
+        seqs = [seq for group in groups for seq in group]
+        for seq in reversed(seqs):
+            self.kv.free_cpu(seq, self.cpu)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._waiting_since[seq.seq_id] = self.num_steps
+            self.waiting.appendleft(seq)
+        return len(seqs)
+
     def _swappable(self, seq: Sequence) -> bool:
         if self.cpu is None or self.preemption_mode == "recompute":
             return False

@@ -36,6 +36,7 @@ def engine_stats(engine) -> dict:
         "swap_in_bytes": sched.swap_in_blocks * engine.swap_block_bytes,
         "cpu_blocks_total": sched.cpu.num_blocks if sched.cpu else 0,
         "cpu_blocks_used": sched.cpu.num_used if sched.cpu else 0,
+        "kv_store_restarts": engine.kv_store_restarts,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (
             1e6 * (engine.execute_seconds - engine.worker_seconds) / max(1, engine.num_steps)),

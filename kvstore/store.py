@@ -77,6 +77,13 @@ class KVStore:
     def get_layout(self) -> StoreLayout:
         return self.layout
 
+    def wait_until_dead(self) -> None:
+        """Never returns: its result turns into an error when the store dies, which the engine
+        notices with a non-blocking `ray.wait` (it never waits on the store)."""
+        import threading
+
+        threading.Event().wait()
+
     def stats(self) -> dict:
         return {"cpu_blocks_total": self.layout.num_blocks,
                 "cpu_blocks_valid": int(self._valid.all(axis=1).sum())}
@@ -114,13 +121,23 @@ class StoreHandle:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor_cls = ray.remote(num_cpus=0)(KVStore)
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(KVStore)
         self._local = None
         # Same node as the workers: they map the segment the store creates.
         self._actor = actor_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
             num_blocks, tp_size, block_bytes)
         self.layout = ray.get(self._actor.get_layout.remote())
+        self._death = self._actor.wait_until_dead.remote()
+
+    def alive(self) -> bool:
+        """Whether the store still runs; costs no wait."""
+        if self._actor is None:
+            return self._local is not None
+        import ray
+
+        ready, _ = ray.wait([self._death], timeout=0)
+        return not ready
 
     def stats(self) -> dict:
         if self._local is not None:
@@ -136,7 +153,10 @@ class StoreHandle:
             import ray
 
             try:
-                ray.get(self._actor.close.remote(), timeout=10)
+                if self.alive():
+                    ray.get(self._actor.close.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                pass  # died meanwhile
             finally:
                 ray.kill(self._actor)
             self._actor = None

@@ -97,3 +97,26 @@ def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
     finally:
         store.close()
     assert not os.path.exists(f"/dev/shm/{store.layout.segment}")
+
+
+def test_a_killed_store_loses_nothing_and_is_restarted(ray_session, tiny_llama, expected):
+    import ray
+
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode="swap",
+             distributed_executor_backend="ray", max_num_batched_tokens=64) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), None, prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        while not engine.scheduler.swapped:
+            engine.step()
+        old = engine.kv_store
+        ray.kill(old._actor)  # the store dies with groups swapped out
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+        assert [outputs[str(i)] for i in range(len(PROMPTS))] == expected
+        stats = llm.stats()
+        assert stats["kv_store_restarts"] == 1 and engine.kv_store is not old and engine.kv_store.alive()
+        _assert_all_free(llm)

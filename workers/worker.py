@@ -75,6 +75,8 @@ class Worker:
         return self.cache_spec.block_bytes
 
     def attach_kv_store(self, layout) -> None:
+        """Map the store's segment (a restarted store's replaces the old one)."""
+        self.close()
         self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
 
     def close(self) -> None:
