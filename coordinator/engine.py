@@ -82,7 +82,7 @@ class LLMEngine:
         self.execute_seconds = 0.0  # executor.execute as the engine sees it
         self.worker_seconds = 0.0  # of which rank 0 computed; the difference is dispatch overhead
 
-    def _open_kv_store(self):
+    def _open_kv_store(self, replacing_dead: bool = False):
         """The CPU KV store of `swap_space` GiB and the allocator of its block ids, or (None, None)."""
         if self.config.swap_space <= 0:
             return None, None
@@ -93,7 +93,7 @@ class LLMEngine:
         store = StoreHandle(num_cpu_blocks, tp, block_bytes, node_id)
         self.swap_block_bytes = block_bytes * tp
         try:
-            self.executor.attach_kv_store(store.layout)
+            self.executor.attach_kv_store(store.layout, unlink_previous=replacing_dead)
         except BaseException:
             store.close()
             raise
@@ -107,7 +107,7 @@ class LLMEngine:
         self.kv_store.close()
         self.kv_store_restarts += 1
         try:
-            self.kv_store, self.scheduler.cpu = self._open_kv_store()
+            self.kv_store, self.scheduler.cpu = self._open_kv_store(replacing_dead=True)
         except Exception as e:  # the engine goes on without a store rather than stall or fail
             log.error("the KV store could not be restarted (%r); preemption recomputes from now on", e)
             self.kv_store, self.scheduler.cpu = None, None

@@ -45,13 +45,28 @@ class StoreLayout:
             raise ValueError(f"a block shard is {self.block_bytes} bytes; got {nbytes}")
 
 
+_OWNED: set[str] = set()  # segments created by a store in this process
+
+
 def attach(layout: StoreLayout) -> tuple[shared_memory.SharedMemory, np.ndarray, np.ndarray]:
     """Map the store's segment: (segment, valid[num_blocks, tp], data[num_blocks, tp, bytes])."""
     shm = shared_memory.SharedMemory(name=layout.segment)
     # Python 3.11 registers attached segments with its resource tracker, which would unlink the
-    # store's segment when this process exits: only the store owns it.
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    # store's segment when this process exits: only the store owns it. (A store in this same
+    # process shares the registration, which its own unlink removes.)
+    if layout.segment not in _OWNED:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
     return shm, *_views(shm, layout)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a dead store's segment name (its memory goes with the last mapping)."""
+    import _posixshmem
+
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
 
 
 def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -71,6 +86,7 @@ class KVStore:
         self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes)
         # SharedMemory creates with mode 0600: only this user's processes can map it.
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.layout.size)
+        _OWNED.add(name)
         self._valid, self._data = _views(self._shm, self.layout)
         self._valid[:] = 0
 
@@ -96,6 +112,7 @@ class KVStore:
         if self._shm is not None:
             self._valid = self._data = None
             self._shm.unlink()  # the name goes now; the memory when the last mapping does
+            _OWNED.discard(self.layout.segment)
             try:
                 self._shm.close()
             except BufferError:

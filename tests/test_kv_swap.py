@@ -18,6 +18,18 @@ PROMPTS = _prompts(10, seed=21, high=60)
 TIGHT = 24 * 2 * 2 * 16 * 2 * 16 * 4  # blocks x layers x K/V x tokens x kv heads x head dim x fp32
 
 
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pagedserve-kv-")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segment():
+    """Every store's shared-memory segment is gone once its engine is (a dead store's too)."""
+    before = _segments()
+    yield
+    assert _segments() <= before
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_llama):
     with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:

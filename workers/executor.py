@@ -22,8 +22,8 @@ class InProcessExecutor:
     def block_bytes(self) -> int:
         return self.worker.block_bytes()
 
-    def attach_kv_store(self, layout) -> None:
-        self.worker.attach_kv_store(layout)
+    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
+        self.worker.attach_kv_store(layout, unlink_previous)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.execute(plan)

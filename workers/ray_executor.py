@@ -62,8 +62,8 @@ class WorkerActor:
     def block_bytes(self) -> int:
         return self.worker.block_bytes()
 
-    def attach_kv_store(self, layout) -> None:
-        self.worker.attach_kv_store(layout)
+    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
+        self.worker.attach_kv_store(layout, unlink_previous)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.worker.execute(plan)
@@ -124,8 +124,8 @@ class RayExecutor:
     def block_bytes(self) -> int:
         return ray.get(self.workers[0].block_bytes.remote())
 
-    def attach_kv_store(self, layout) -> None:
-        ray.get([w.attach_kv_store.remote(layout) for w in self.workers])
+    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
+        ray.get([w.attach_kv_store.remote(layout, unlink_previous) for w in self.workers])
 
     def execute(self, plan: StepPlan) -> StepOutput:
         ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank

@@ -74,9 +74,15 @@ class Worker:
         """Bytes of one block of this rank's cache (its KV heads)."""
         return self.cache_spec.block_bytes
 
-    def attach_kv_store(self, layout) -> None:
-        """Map the store's segment (a restarted store's replaces the old one)."""
+    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
+        """Map the store's segment. A restarted store's replaces the old one, whose name rank 0
+        removes when the old store died without doing so (the workers share its node)."""
+        previous = self.swap_space.layout.segment if self.swap_space is not None else None
         self.close()
+        if previous and unlink_previous and self.tp.rank == 0:
+            from kvstore.store import unlink_segment
+
+            unlink_segment(previous)
         self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
 
     def close(self) -> None:
