@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pool-blocks", type=int, default=96, help="device KV pool of the throughput test")
     p.add_argument("--swap-space", type=float, default=2.0, help="GiB of CPU KV store")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="with it, recompute re-finds a victim's full blocks in the prefix cache")
     p.add_argument("--result-json", default="benchmarks/results/swap.json")
     return workload.check_workload_args(p, p.parse_args(argv))
 
@@ -89,7 +91,8 @@ def throughput(args, requests) -> dict:
     rows = {}
     for mode in ("swap", "recompute"):
         with LLM(workload.MODEL, kv_cache_memory=args.pool_blocks * block_bytes, swap_space=args.swap_space,
-                 preemption_mode=mode, max_num_batched_tokens=args.max_num_batched_tokens) as llm:
+                 preemption_mode=mode, max_num_batched_tokens=args.max_num_batched_tokens,
+                 enable_prefix_caching=args.prefix_caching) as llm:
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
             params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
             start = time.perf_counter()
