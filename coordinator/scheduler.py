@@ -11,12 +11,15 @@ admits the waiting sequence with the lowest effective priority first (ties: earl
 where effective priority = priority - (steps waited // PRIORITY_AGING_STEPS): a request gains one
 level per PRIORITY_AGING_STEPS engine steps spent waiting, so a low-priority request is overtaken
 by later high-priority arrivals for a bounded number of steps and never starves. Its preemption
-victim is the running sequence with the highest effective priority (ties: the newest).
+victim is the running sequence with the largest priority value (ties: the newest).
 
-Preemption: when a running sequence cannot get its next block, the newest running sequence is
-preempted by recompute (under `priority`, the least important one): its blocks are freed (its full blocks stay in the prefix cache), it goes
-back to the front of the waiting queue with its generated tokens kept, and on readmission its
-prefill recomputes (or re-finds in the prefix cache) the whole context.
+Preemption: when a running sequence cannot get its next block, the newest running sequence (under
+`priority`, the least important one) is preempted, with the CPU KV store by swap (it and the other
+running samples or beams of its request move to the store together and come back, FCFS and
+before any new admission, once blocks are free), otherwise by recompute: its blocks are freed
+(its full blocks stay in the prefix cache), it goes back to the front of the waiting queue with
+its generated tokens kept, and on readmission its prefill recomputes (or re-finds in the prefix
+cache) the whole context. A step that preempts admits nothing and swaps nothing in.
 """
 
 from __future__ import annotations
