@@ -69,6 +69,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
+        self.num_swap_preemptions = 0  # of num_preemptions, those that swapped
         self.num_steps = 0
         self._waiting_since: dict[int, int] = {}  # seq_id -> step it (re)entered the queue
         self.kv = kv
@@ -197,6 +198,7 @@ class Scheduler:
                     seq.status = SequenceStatus.SWAPPED
                     seq.num_preemptions += 1
                 self.num_preemptions += 1
+                self.num_swap_preemptions += 1
                 self.swapped.append(group)
                 out.swap_out += copies
                 self.swap_out_blocks += len(copies)

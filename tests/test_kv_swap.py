@@ -132,3 +132,17 @@ def test_a_killed_store_loses_nothing_and_is_restarted(ray_session, tiny_llama, 
         stats = llm.stats()
         assert stats["kv_store_restarts"] == 1 and engine.kv_store is not old and engine.kv_store.alive()
         _assert_all_free(llm)
+
+
+def test_a_full_store_falls_back_to_recompute(tiny_llama, expected):
+    block = 2 * 2 * 16 * 2 * 16 * 4
+    swap_gib = 3 * block / (1 << 30)  # room for 3 blocks only
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=swap_gib, preemption_mode="swap",
+             max_num_batched_tokens=64) as llm:
+        assert llm.stats()["cpu_blocks_total"] == 3
+        assert _generate(llm, PROMPTS) == expected
+        stats = llm.stats()
+        # Victims that fit the store swapped; the rest (bigger than what is left) recomputed.
+        swapped = llm.engine.scheduler.num_swap_preemptions
+        assert 0 < swapped < stats["num_preemptions"]
+        _assert_all_free(llm)
