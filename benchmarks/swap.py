@@ -2,8 +2,9 @@
 against recompute on a workload whose KV pool forces preemption; one run, SmolLM2 fp32.
 
 1. bandwidth: swap out then swap in `--blocks` SmolLM2-sized blocks (737,280 bytes each) through
-   the store's segment (the workers' path: indexed copies between the cache and the mapping),
-   against `copy_` of the same bytes between two ordinary tensors;
+   the store's segment (the workers' path: one copy per block between the cache and the mapping)
+   and through the store's gRPC service on loopback, against `copy_` of the same bytes between
+   two ordinary tensors;
 2. throughput: the offline benchmark's workload (seeded, EOS ignored) with a KV pool of
    `--pool-blocks` blocks, preemption_mode swap against recompute: seconds, tokens/s,
    preemptions, blocks swapped, and whether the greedy outputs agree.
@@ -46,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--swap-space", type=float, default=2.0, help="GiB of CPU KV store")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="with it, recompute re-finds a victim's full blocks in the prefix cache")
+    p.add_argument("--skip-throughput", action="store_true", help="measure the bandwidth only")
     p.add_argument("--result-json", default="benchmarks/results/swap.json")
     return workload.check_workload_args(p, p.parse_args(argv))
 
@@ -76,6 +78,7 @@ def bandwidth(blocks: int, repeats: int) -> dict:
         space.close()
     finally:
         store.close()
+    grpc_out, grpc_in = grpc_bandwidth(cache, blocks, block_bytes, repeats)
     dst = torch.empty_like(cache)
     memcpy = best_seconds(lambda: dst.copy_(cache), repeats)
     # swap_in was timed together with a swap_out (to re-validate the blocks): subtract it.
@@ -83,7 +86,27 @@ def bandwidth(blocks: int, repeats: int) -> dict:
     return {"bytes": total, "block_bytes": block_bytes,
             "memcpy_gb_s": total / memcpy / 1e9, "swap_out_gb_s": total / swap_out / 1e9,
             "swap_in_gb_s": total / swap_in / 1e9,
-            "swap_out_share_of_memcpy": memcpy / swap_out, "swap_in_share_of_memcpy": memcpy / swap_in}
+            "swap_out_share_of_memcpy": memcpy / swap_out, "swap_in_share_of_memcpy": memcpy / swap_in,
+            "grpc_swap_out_gb_s": total / grpc_out / 1e9, "grpc_swap_in_gb_s": total / grpc_in / 1e9}
+
+
+def grpc_bandwidth(cache: torch.Tensor, blocks: int, block_bytes: int, repeats: int) -> tuple[float, float]:
+    """The same blocks through the store's gRPC service on loopback (chunks of 4 MiB)."""
+    from kvstore.grpc_transport import GrpcSwapSpace
+
+    store = KVStore(blocks, 1, block_bytes, transport="grpc")
+    try:
+        space = GrpcSwapSpace(store.layout, 0, cache, store.layout.grpc_address)
+        pairs = [(b, b) for b in range(blocks)]
+        out = best_seconds(lambda: space.swap_out(pairs), repeats)
+        snapshot = cache.clone()
+        both = best_seconds(lambda: space.swap_in(pairs) or space.swap_out(pairs), repeats)
+        space.swap_in(pairs)
+        assert torch.equal(cache, snapshot)
+        space.close()
+    finally:
+        store.close()
+    return out, max(both - out, 1e-9)
 
 
 def throughput(args, requests) -> dict:
@@ -115,17 +138,19 @@ def main(argv=None) -> None:
     b = result["bandwidth"]
     print(f"bandwidth, {b['bytes'] / 1e6:.0f} MB in {args.blocks} blocks: memcpy {b['memcpy_gb_s']:.2f} GB/s; "
           f"shared-memory swap out {b['swap_out_gb_s']:.2f} GB/s ({100 * b['swap_out_share_of_memcpy']:.0f}%), "
-          f"swap in {b['swap_in_gb_s']:.2f} GB/s ({100 * b['swap_in_share_of_memcpy']:.0f}%)")
-    tokenizer, _ = workload.load_tokenizer_and_config()
-    requests = workload.make_workload(tokenizer, args)
-    result["throughput"] = t = throughput(args, requests)
-    print(f"throughput, {len(requests)} requests on a {args.pool_blocks}-block pool:")
-    for mode in ("swap", "recompute"):
-        r = t[mode]
-        print(f"  {mode:9s} {r['seconds']:7.2f} s  {r['total_tokens_per_s']:7.1f} tok/s  "
-              f"preemptions {r['num_preemptions']}, blocks swapped out {r['swap_out_blocks']}")
-    print(f"  swap / recompute: {t['swap_over_recompute']:.3f}; identical outputs {t['identical_outputs']} of "
-          f"{t['requests']}")
+          f"swap in {b['swap_in_gb_s']:.2f} GB/s ({100 * b['swap_in_share_of_memcpy']:.0f}%); gRPC on loopback "
+          f"out {b['grpc_swap_out_gb_s']:.2f} GB/s, in {b['grpc_swap_in_gb_s']:.2f} GB/s")
+    if not args.skip_throughput:
+        tokenizer, _ = workload.load_tokenizer_and_config()
+        requests = workload.make_workload(tokenizer, args)
+        result["throughput"] = t = throughput(args, requests)
+        print(f"throughput, {len(requests)} requests on a {args.pool_blocks}-block pool:")
+        for mode in ("swap", "recompute"):
+            r = t[mode]
+            print(f"  {mode:9s} {r['seconds']:7.2f} s  {r['total_tokens_per_s']:7.1f} tok/s  "
+                  f"preemptions {r['num_preemptions']}, blocks swapped out {r['swap_out_blocks']}")
+        print(f"  swap / recompute: {t['swap_over_recompute']:.3f}; identical outputs {t['identical_outputs']} of "
+              f"{t['requests']}")
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_json).write_text(json.dumps(result, indent=2))
     print(f"figures: {args.result_json}")

@@ -90,7 +90,9 @@ class LLMEngine:
         tp = self.config.tensor_parallel_size
         num_cpu_blocks = int(self.config.swap_space * (1 << 30)) // (block_bytes * tp)
         node_id = self.executor.node_id() if hasattr(self.executor, "node_id") else None
-        store = StoreHandle(num_cpu_blocks, tp, block_bytes, node_id)
+        # auto: shared memory, since the store is always placed on the workers' node.
+        transport = "grpc" if self.config.kv_transport == "grpc" else "shm"
+        store = StoreHandle(num_cpu_blocks, tp, block_bytes, node_id, transport)
         self.swap_block_bytes = block_bytes * tp
         try:
             self.executor.attach_kv_store(store.layout, unlink_previous=replacing_dead)

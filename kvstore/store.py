@@ -25,6 +25,8 @@ class StoreLayout:
     num_blocks: int
     tp_size: int
     block_bytes: int  # per rank
+    transport: str = "shm"  # how workers reach the pool: "shm" (map the segment) or "grpc"
+    grpc_address: str = ""  # host:port of the store's KVStore service, with transport "grpc"
 
     @property
     def header_bytes(self) -> int:
@@ -76,12 +78,27 @@ def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
     return valid, data
 
 
+def _node_ip() -> str:
+    """This node's address for the store's gRPC service: the Ray node IP inside Ray (workers on
+    other nodes must reach it), loopback otherwise."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
 class KVStore:
     """Owns the segment. Runs as a Ray actor (`KVStoreActor`) beside Ray workers, or in process."""
 
-    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int):
+    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, transport: str = "shm"):
         if num_blocks < 1:
             raise ValueError(f"swap_space holds no KV block ({block_bytes * tp_size} bytes each)")
+        if transport not in ("shm", "grpc"):
+            raise ValueError(f"kv_transport must be shm or grpc here; got {transport!r}")
         name = f"pagedserve-kv-{secrets.token_hex(6)}"
         self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes)
         # SharedMemory creates with mode 0600: only this user's processes can map it.
@@ -89,6 +106,15 @@ class KVStore:
         _OWNED.add(name)
         self._valid, self._data = _views(self._shm, self.layout)
         self._valid[:] = 0
+        self._server = None
+        if transport == "grpc":
+            from dataclasses import replace
+
+            from kvstore.grpc_transport import serve
+
+            host = _node_ip()
+            self._server, port = serve(self.layout, self._valid, self._data, host)
+            self.layout = replace(self.layout, transport="grpc", grpc_address=f"{host}:{port}")
 
     def get_layout(self) -> StoreLayout:
         return self.layout
@@ -109,6 +135,9 @@ class KVStore:
         return [bool(self._valid[b].all()) for b in blocks]
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
         if self._shm is not None:
             self._valid = self._data = None
             self._shm.unlink()  # the name goes now; the memory when the last mapping does
@@ -130,9 +159,10 @@ class StoreHandle:
     """The engine's handle on its store, wherever it runs: in this process (the single-process
     engine) or as a Ray actor on the workers' node."""
 
-    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, node_id: str | None = None):
+    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, node_id: str | None = None,
+                 transport: str = "shm"):
         if node_id is None:
-            self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes), None
+            self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes, transport), None
             self.layout = self._local.get_layout()
             return
         import ray
@@ -143,7 +173,7 @@ class StoreHandle:
         # Same node as the workers: they map the segment the store creates.
         self._actor = actor_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-            num_blocks, tp_size, block_bytes)
+            num_blocks, tp_size, block_bytes, transport)
         self.layout = ray.get(self._actor.get_layout.remote())
         self._death = self._actor.wait_until_dead.remote()
 

@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_memory: int = field(default=1 << 30, metadata={"help": "KV pool bytes on CPU"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory to use"})
     swap_space: float = field(default=0.0, metadata={"help": "CPU KV store size in GiB"})
+    kv_transport: str = field(default="auto", metadata={
+        "help": "how workers reach the CPU KV store: shm (shared memory), grpc, or auto (shm: the "
+                "store runs on the workers' node)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over steps"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences per step"})
@@ -56,6 +59,7 @@ class EngineConfig:
         _one_of("block_size", self.block_size, _BLOCK_SIZES)
         _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _one_of("kv_transport", self.kv_transport, ("auto", "shm", "grpc"))
         _one_of("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _one_of("device", self.device, ("cpu", "cuda"))
         _one_of("distributed_executor_backend", self.distributed_executor_backend, _EXECUTOR_BACKENDS)

@@ -146,3 +146,52 @@ def test_a_full_store_falls_back_to_recompute(tiny_llama, expected):
         swapped = llm.engine.scheduler.num_swap_preemptions
         assert 0 < swapped < stats["num_preemptions"]
         _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_swap_over_grpc_gives_the_same_outputs(ray_session, tiny_llama, expected, tp):
+    with LLM(tiny_llama, kv_cache_memory=TIGHT // tp, swap_space=0.01, preemption_mode="swap", kv_transport="grpc",
+             tensor_parallel_size=tp, max_num_batched_tokens=64) as llm:
+        assert llm.engine.kv_store.layout.transport == "grpc"
+        assert _generate(llm, PROMPTS) == expected
+        stats = llm.stats()
+        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"]
+        _assert_all_free(llm)
+
+
+def test_bad_grpc_store_requests_are_refused_and_change_nothing():
+    import grpc
+    import msgpack
+
+    from pagedserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    store = KVStore(num_blocks=4, tp_size=2, block_bytes=64, transport="grpc")
+    try:
+        stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(store.layout.grpc_address))
+        data_before, valid_before = store._data.copy(), store._valid.copy()
+
+        def put(*chunks):
+            return stub.PutBlocks(iter([kvstore_pb2.BlockChunk(header=h, data=d) for h, d in chunks]))
+
+        def header(**kw):
+            return msgpack.packb({"block": 0, "rank": 0, "offset": 0, **kw})
+
+        cases = [((header(block=4), b"x" * 64),), "cpu block 4 is not in [0, 4)",
+                 ((header(rank=2), b"x" * 64),), "rank 2 is not in [0, 2)",
+                 ((header(offset=32), b"x" * 64),), "fall outside a 64-byte shard",
+                 ((header(), b"x" * 32),), "incomplete: 32 of 64 bytes",
+                 ((b"\xc1not msgpack", b"x" * 64),), "malformed msgpack",
+                 ((msgpack.packb([1, 2]), b"x" * 64),), "expected a map"]
+        for chunks, words in zip(cases[::2], cases[1::2]):
+            with pytest.raises(grpc.RpcError) as err:
+                put((header(block=1), b"y" * 64), *chunks)  # a good shard first: not written either
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+        assert (store._data == data_before).all() and (store._valid == valid_before).all()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.GetBlocks(kvstore_pb2.GetRequest(manifest=msgpack.packb({"blocks": [1], "rank": 0}))))
+        assert "holds no shard" in err.value.details()
+        assert put((header(block=3, rank=1), b"z" * 64)).blocks == 1
+        got = list(stub.GetBlocks(kvstore_pb2.GetRequest(manifest=msgpack.packb({"blocks": [3], "rank": 1}))))
+        assert b"".join(c.data for c in got) == b"z" * 64
+    finally:
+        store.close()

@@ -53,7 +53,7 @@ class Worker:
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
         self.kv_cache: torch.Tensor | None = None
-        self.swap_space: SwapSpace | None = None
+        self.swap_space = None  # SwapSpace (shared memory) or GrpcSwapSpace
         self._gather_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         # Attention groups whose gathered K/V stay within this many bytes per layer are read back
         # from the CPU cache, not DRAM.
@@ -83,7 +83,12 @@ class Worker:
             from kvstore.store import unlink_segment
 
             unlink_segment(previous)
-        self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
+        if layout.transport == "grpc":
+            from kvstore.grpc_transport import GrpcSwapSpace
+
+            self.swap_space = GrpcSwapSpace(layout, self.tp.rank, self.kv_cache, layout.grpc_address)
+        else:
+            self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
 
     def close(self) -> None:
         if self.swap_space is not None:
