@@ -173,13 +173,15 @@ def test_bad_grpc_store_requests_are_refused_and_change_nothing():
         def put(*chunks):
             return stub.PutBlocks(iter([kvstore_pb2.BlockChunk(header=h, data=d) for h, d in chunks]))
 
-        def header(**kw):
-            return msgpack.packb({"block": 0, "rank": 0, "offset": 0, **kw})
+        def header(block=0, offset=0, length=64, rank=0):
+            return msgpack.packb({"rank": rank, "pieces": [[block, offset, length]]})
 
         cases = [((header(block=4), b"x" * 64),), "cpu block 4 is not in [0, 4)",
                  ((header(rank=2), b"x" * 64),), "rank 2 is not in [0, 2)",
                  ((header(offset=32), b"x" * 64),), "fall outside a 64-byte shard",
-                 ((header(), b"x" * 32),), "incomplete: 32 of 64 bytes",
+                 ((header(length=32), b"x" * 32),), "incomplete: 32 of 64 bytes",
+                 ((header(), b"x" * 32),), "longer than its data",
+                 ((header(length=32), b"x" * 64),), "data is longer than its pieces",
                  ((b"\xc1not msgpack", b"x" * 64),), "malformed msgpack",
                  ((msgpack.packb([1, 2]), b"x" * 64),), "expected a map"]
         for chunks, words in zip(cases[::2], cases[1::2]):
