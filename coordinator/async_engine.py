@@ -83,11 +83,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
-        token_ids = self.engine.check_prompt(prompt, prompt_token_ids)
-        # Everything add_request could refuse is checked here: the engine loop must never raise on it.
-        params.check_token_ids(self.engine.vocab_size)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer; got {priority!r}")
+        token_ids = self.engine.check_request(prompt, prompt_token_ids, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._adds.append((request_id, token_ids, params, priority))

@@ -158,6 +158,16 @@ class LLMEngine:
                              f"max_model_len ({self.max_model_len}) to leave room for one new token")
         return prompt_token_ids
 
+    def check_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+                      priority: int) -> list[int]:
+        """Everything add_request could refuse, checked without changing anything (a server calls
+        it before queueing, so that the engine loop never raises on a request); the token ids."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer; got {priority!r}")
+        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
+        params.check_token_ids(self.vocab_size)
+        return prompt_token_ids
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
@@ -174,10 +184,7 @@ class LLMEngine:
         """Queue a request, or raise ValueError (naming the field and limit) and change nothing."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer; got {priority!r}")
-        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
-        params.check_token_ids(self.vocab_size)
+        prompt_token_ids = self.check_request(prompt, prompt_token_ids, params, priority)
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
         if not params.use_beam_search:  # beams fork as the search goes
             seq.fork_ids = [next(self._seq_ids) for _ in range(params.best_of - 1)]

@@ -14,7 +14,7 @@ import grpc
 import msgpack
 import numpy as np
 
-from kvstore.store import StoreLayout
+from kvstore.store import StoreLayout, check_device_blocks
 from pagedserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 # Streamed in 1 MiB chunks: on loopback here 1 MiB measured fastest (2 and 4 MiB chunks were
@@ -138,22 +138,17 @@ class GrpcSwapSpace:
         self._channel = grpc.insecure_channel(address, options=_OPTIONS)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
-    def _device(self, blocks: list[int]) -> None:
-        bad = [b for b in blocks if not 0 <= b < self._kv_bytes.shape[0]]
-        if bad:
-            raise ValueError(f"device block {bad[0]} is not in [0, {self._kv_bytes.shape[0]})")
-
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        self._device([d for d, _ in pairs])
+        check_device_blocks([d for d, _ in pairs], self._kv_bytes.shape[0])
         self.layout.check([c for _, c in pairs], self.rank)
         self._stub.PutBlocks(_chunks(self.rank, ((c, self._kv_bytes[d].numpy()) for d, c in pairs)))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        self._device([d for _, d in pairs])
+        check_device_blocks([d for _, d in pairs], self._kv_bytes.shape[0])
         target = {c: d for c, d in pairs}
         manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank})
         for chunk in self._stub.GetBlocks(kvstore_pb2.GetRequest(manifest=manifest)):

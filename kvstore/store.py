@@ -50,6 +50,13 @@ class StoreLayout:
 _OWNED: set[str] = set()  # segments created by a store in this process
 
 
+def check_device_blocks(blocks, num_blocks: int) -> None:
+    """A worker's own half of a swap request: its device block ids must lie in its cache."""
+    bad = [b for b in blocks if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"device block {bad[0]} is not in [0, {num_blocks})")
+
+
 def attach(layout: StoreLayout) -> tuple[shared_memory.SharedMemory, np.ndarray, np.ndarray]:
     """Map the store's segment: (segment, valid[num_blocks, tp], data[num_blocks, tp, bytes])."""
     shm = shared_memory.SharedMemory(name=layout.segment)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.store import check_device_blocks
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -58,9 +60,7 @@ class SwapSpace:
         device = [p[0] if device_first else p[1] for p in pairs]
         cpu = [p[1] if device_first else p[0] for p in pairs]
         self.layout.check(cpu, self.rank)
-        bad = [b for b in device if not 0 <= b < self._kv_bytes.shape[0]]
-        if bad:
-            raise ValueError(f"device block {bad[0]} is not in [0, {self._kv_bytes.shape[0]})")
+        check_device_blocks(device, self._kv_bytes.shape[0])
         return torch.tensor(device), torch.tensor(cpu)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

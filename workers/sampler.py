@@ -17,6 +17,8 @@ def process_logits(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     (repetition over prompt + output, then frequency and presence over the output)."""
     vocab = logits.shape[1]
     for i, p in enumerate(params):
+        if p.allowed_token_ids is None and not (p.logit_bias or p.banned_token_ids or p.has_penalties):
+            continue  # the common row: no tensor op, not even the row view, on the hot path
         row = logits[i]
         if p.allowed_token_ids is not None:
             keep = torch.tensor(p.allowed_token_ids)
