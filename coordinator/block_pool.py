@@ -34,6 +34,9 @@ class BlockPool:
         # Recent allocation latencies (ns), for p50/p99 in the stats.
         self.alloc_latency_ns: deque[int] = deque(maxlen=_LATENCY_SAMPLES)
         self.num_evictions = 0
+        # When a list: every (block, hash) evicted by an allocation, for the CPU prefix tier to
+        # save before the block is overwritten.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -55,6 +58,8 @@ class BlockPool:
                 del self.cached[old_hash]
             self.block_hash[block] = None
             self.num_evictions += 1
+            if self.evicted is not None:
+                self.evicted.append((block, old_hash))
         self.ref_counts[block] = 1
         self.alloc_latency_ns.append(time.perf_counter_ns() - start)
         return block
@@ -80,6 +85,11 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
+
+    def touch(self, block: int) -> None:
+        """A free cached block was just wanted again: it becomes the most recently used."""
+        if self.ref_counts[block] == 0:
+            self.free_queue.move_to_end(block)
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Record a full block's content hash; the first block with a given hash is the one found."""

@@ -1,39 +1,38 @@
 """The coordinator's second block allocator: ids of blocks in the CPU KV store.
 
-Reference counted like the device pool, so that sequences sharing device blocks (n > 1 samples,
-beams) still share their CPU copies after swapping out as a group.
+The same structure as the device pool (`BlockPool`): reference counts, so that sequences sharing
+device blocks (n > 1 samples, beams) still share their CPU copies after swapping out as a group,
+and a hash index with LRU eviction, which is the CPU tier of the prefix cache: a hashed device
+block about to be evicted is saved here under its hash, and a free CPU block keeps its hash until
+an allocation (a swap-out or another save) evicts it, least recently used first.
+
+Step-deferred releases: workers run a step's transfers in the order swap-outs (writes into CPU
+blocks) then swap-ins (reads from CPU blocks). A CPU block read in a step must therefore not be
+handed to a writer in the same step, or the write would land before the read. So a block read by
+a step (a swapped group coming back, a prefix-tier hit) or written by it (a tier save, until its
+data is there) holds a reference until the step has executed (`end_step`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from coordinator.block_pool import BlockPool
 
 
-class CpuBlockPool:
+class CpuBlockPool(BlockPool):
     def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free = deque(range(num_blocks))
+        super().__init__(num_blocks)
+        self._held_for_step: list[int] = []
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def hold_for_step(self, block: int) -> None:
+        """Keep `block` out of the free queue until the running step has executed."""
+        self.incref(block)
+        self._held_for_step.append(block)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+    def release_after_step(self, block: int) -> None:
+        """Hand over an existing reference, dropped once the running step has executed."""
+        self._held_for_step.append(block)
 
-    def allocate(self) -> int:
-        block = self._free.popleft()
-        self.ref_counts[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        self.ref_counts[block] += 1
-
-    def decref(self, block: int) -> None:
-        if self.ref_counts[block] <= 0:
-            raise RuntimeError(f"cpu block {block} freed twice")
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self._free.append(block)
+    def end_step(self) -> None:
+        held, self._held_for_step = self._held_for_step, []
+        for block in held:
+            self.decref(block)

@@ -109,10 +109,11 @@ class LLMEngine:
         self.kv_store.close()
         self.kv_store_restarts += 1
         try:
-            self.kv_store, self.scheduler.cpu = self._open_kv_store(replacing_dead=True)
+            self.kv_store, cpu = self._open_kv_store(replacing_dead=True)
         except Exception as e:  # the engine goes on without a store rather than stall or fail
             log.error("the KV store could not be restarted (%r); preemption recomputes from now on", e)
-            self.kv_store, self.scheduler.cpu = None, None
+            self.kv_store, cpu = None, None
+        self.scheduler.replace_cpu(cpu)
 
     def _size_kv_pool(self, model_max_len: int) -> int:
         """The pool's block count from the workers; sets max_model_len within it."""
@@ -225,6 +226,7 @@ class LLMEngine:
         plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
         start = time.perf_counter()
         output = self.executor.execute(plan)
+        self.scheduler.end_step()
         self.execute_seconds += time.perf_counter() - start
         self.worker_seconds += output.worker_seconds
         self.num_steps += 1

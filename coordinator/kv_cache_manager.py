@@ -3,6 +3,12 @@
 A sequence's table grows only when its last block is full. Prefix caching identifies a full
 block by a hash chained over its parent block's hash and its token ids (blake2b: stable across
 processes and runs, unlike Python's `hash`), so equal hashes mean equal whole prefixes.
+
+CPU tier (`attach_cpu_tier`, prefix caching with a KV store): a hashed device block evicted by an
+allocation is saved to the store under its hash before it is overwritten (the step's swap-outs
+run first on the workers), and a prefix that runs out of device hits continues in the store:
+those blocks are loaded onto fresh device blocks (swap-ins, before the forward pass) instead of
+being recomputed.
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ class KVCacheManager:
         self.filled_slots = 0
         self._num_registered: dict[int, int] = {}
         self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.prefix_cache_hits = 0  # tokens, from either tier
+        self.cpu_tier = None  # the KV store's CpuBlockPool, when it backs the prefix cache
+        self.cpu_prefix_cache_hits = 0  # tokens loaded from the CPU tier
+        self.cpu_tier_saved_blocks = 0
+        self.cpu_tier_loaded_blocks = 0
+        # Tier transfers decided since the last drain: (cpu, device) loads.
+        self.pending_loads: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -78,39 +90,96 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def get_cpu_tier_blocks(self, seq: Sequence, num_device_blocks: int) -> list[int]:
+        """CPU blocks that continue `seq`'s prefix after its first `num_device_blocks` (device
+        hits), up to the first miss; empty without a CPU tier."""
+        if self.cpu_tier is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        blocks = []
+        for h in seq.block_hashes[num_device_blocks:max_blocks]:
+            block = self.cpu_tier.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int, num_cpu_hit_tokens: int = 0) -> None:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens
+            self.prefix_cache_hits += num_hit_tokens + num_cpu_hit_tokens
+            self.cpu_prefix_cache_hits += num_cpu_hit_tokens
+
+    def attach_cpu_tier(self, cpu) -> None:
+        """Back the prefix cache with the KV store's pool `cpu` (None detaches it)."""
+        self.cpu_tier = cpu if self.enable_prefix_caching else None
+        self.pool.evicted = [] if self.cpu_tier is not None else None
+        self.pending_loads = []
+
+    def save_evicted(self) -> list[tuple[int, int]]:
+        """(device, cpu) copies that keep the blocks evicted since the last call in the CPU tier.
+        A hash the tier holds already is only refreshed; with no CPU block free or evictable
+        (all held by swapped sequences) a block is simply lost, as without a tier."""
+        cpu, evicted = self.cpu_tier, self.pool.evicted
+        if cpu is None or not evicted:
+            return []
+        self.pool.evicted = []
+        saves = []
+        for block, block_hash in evicted:
+            known = cpu.lookup(block_hash)
+            if known is not None:
+                cpu.touch(known)
+                continue
+            if cpu.num_free == 0:
+                continue
+            target = cpu.allocate()
+            cpu.register(target, block_hash)
+            cpu.release_after_step(target)  # free (and cached) once the step has written it
+            saves.append((block, target))
+        self.cpu_tier_saved_blocks += len(saves)
+        return saves
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
-                       keep_watermark: bool = False) -> bool:
+                       keep_watermark: bool = False, cpu_blocks: list[int] = ()) -> bool:
         """Make `seq`'s table cover `num_new_tokens` more tokens (after `computed_blocks`, the
-        prefix-cache hits of a newly admitted sequence). All or nothing: returns False and
-        changes nothing when the pool cannot provide the blocks."""
+        device prefix-cache hits of a newly admitted sequence, and `cpu_blocks`, its CPU-tier
+        hits, loaded onto new device blocks). All or nothing: returns False and changes nothing
+        when the pool cannot provide the blocks."""
         pool, bs = self.pool, self.block_size
         table = seq.block_table
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_computed = seq.num_computed_tokens + (len(computed_blocks) + len(cpu_blocks)) * bs
         total_blocks = len(table) + len(computed_blocks)
-        needed = max(0, self.blocks_needed(num_computed + num_new_tokens) - total_blocks)
+        needed = max(0, self.blocks_needed(num_computed + num_new_tokens) - total_blocks)  # loads too
         cow = (num_new_tokens > 0 and num_computed % bs != 0
                and pool.ref_counts[table[num_computed // bs]] > 1)
         revived = sum(1 for b in computed_blocks if pool.ref_counts[b] == 0)
         available = pool.num_free - revived - (self.watermark_blocks if keep_watermark else 0)
         if needed + cow > available:
             return False
+        # Device hits leave the free queue before anything is allocated, so that no allocation
+        # below can evict one of them.
         for b in computed_blocks:
             if pool.ref_counts[b] == 0:  # back from the free queue: its (full) fill counts again
                 self.filled_slots += self.block_fill[b]
             pool.incref(b)
             table.append(b)
-        if computed_blocks:
+        for c in cpu_blocks:
+            self.cpu_tier.hold_for_step(c)  # nothing may overwrite it before the step reads it
+            b = pool.allocate()
+            self.block_fill[b] = bs
+            self.filled_slots += bs
+            pool.register(b, seq.block_hashes[len(table)])
+            table.append(b)
+            self.pending_loads.append((c, b))
+        self.cpu_tier_loaded_blocks += len(cpu_blocks)
+        if computed_blocks or cpu_blocks:
             seq.num_computed_tokens = num_computed
             self._num_registered[seq.seq_id] = len(table)
         if cow:
             self._copy_on_write(seq, num_computed // bs)
-        for _ in range(needed):
+        for _ in range(needed - len(cpu_blocks)):
             b = pool.allocate()
             self.block_fill[b] = 0
             table.append(b)
@@ -212,7 +281,9 @@ class KVCacheManager:
                 self.filled_slots += fill
             # Swapped-in blocks are not re-registered in the prefix cache.
             self._num_registered[seq.seq_id] = seq.num_computed_tokens // self.block_size
-            self.free_cpu(seq, cpu)
+            for c in seq.cpu_block_table:  # read by this step: freed once it has run
+                cpu.release_after_step(c)
+            seq.cpu_block_table = []
         return [(c, mapping[c]) for c in distinct]
 
     @staticmethod
@@ -224,3 +295,7 @@ class KVCacheManager:
     def drain_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def drain_loads(self) -> list[tuple[int, int]]:
+        loads, self.pending_loads = self.pending_loads, []
+        return loads

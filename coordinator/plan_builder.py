@@ -90,5 +90,5 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         input_ids=input_ids, positions=positions, query_lens=query_lens, context_lens=context_lens,
         block_tables=block_tables, slot_mapping=slot_mapping,
         sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
-        copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in,
+        copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
         finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs)

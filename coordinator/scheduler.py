@@ -20,6 +20,11 @@ before any new admission, once blocks are free), otherwise by recompute: its blo
 (its full blocks stay in the prefix cache), it goes back to the front of the waiting queue with
 its generated tokens kept, and on readmission its prefill recomputes (or re-finds in the prefix
 cache) the whole context. A step that preempts admits nothing and swaps nothing in.
+
+Workers run a step's transfers in a fixed order: swap-outs (preempted groups, CPU prefix-tier
+saves of evicted blocks), then copy-on-write copies, then swap-ins (swapped groups coming back,
+CPU prefix-tier loads), then the forward pass. So every device block is read before it is
+overwritten; CPU blocks read by a step are held until `end_step`, so no write reuses them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    load: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), CPU tier
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +72,7 @@ class Scheduler:
             raise ValueError("preemption_mode 'swap' needs a CPU KV store: set swap_space > 0")
         self.policy = policy
         self.cpu = cpu  # the CPU block pool of the KV store, or None
+        kv.attach_cpu_tier(cpu)
         self.preemption_mode = preemption_mode
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
@@ -142,15 +149,26 @@ class Scheduler:
                 budget -= num_new
         out.scheduled = list(scheduled.items())
 
-        # Bring work back only if nothing was preempted: what was just evicted comes first (and a
-        # step never both swaps out and swaps in, so the workers' copy order cannot matter).
+        # Bring work back only if nothing was preempted: what was just evicted comes first.
         # Swapped groups return FCFS before anything new is admitted.
         if not out.preempted:
             self._swap_in(out)
             if not self.swapped:
                 self._admit_waiting(out, budget)
         out.copies = kv.drain_copies()
+        out.load = kv.drain_loads()
+        out.swap_out += kv.save_evicted()
         return out
+
+    def end_step(self) -> None:
+        """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
+        if self.cpu is not None:
+            self.cpu.end_step()
+
+    def replace_cpu(self, cpu) -> None:
+        """A new KV store (or none) after the old one died; its pool starts empty."""
+        self.cpu = cpu
+        self.kv.attach_cpu_tier(cpu)
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) + len(self.swapped[0]) <= self.max_num_seqs:
@@ -168,16 +186,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
-            computed = kv.get_computed_blocks(seq) if seq.params.prompt_logprobs is None else []
-            num_new = seq.num_tokens - len(computed) * kv.block_size
+            computed, loaded = [], []
+            if seq.params.prompt_logprobs is None:
+                computed = kv.get_computed_blocks(seq)
+                loaded = kv.get_cpu_tier_blocks(seq, len(computed))
+            num_new = seq.num_tokens - (len(computed) + len(loaded)) * kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running)):
+            if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running), cpu_blocks=loaded):
                 break  # nobody overtakes the head of the queue (the first in policy order)
-            kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size)
+            kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size, len(loaded) * kv.block_size)
             if seq.num_preemptions == 0:
-                seq.num_cached_prompt_tokens = len(computed) * kv.block_size
+                seq.num_cached_prompt_tokens = (len(computed) + len(loaded)) * kv.block_size
             self.waiting.remove(seq)
             self._waiting_since.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING

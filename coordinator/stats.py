@@ -20,7 +20,10 @@ def engine_stats(engine) -> dict:
         "kv_usage": pool.num_used / pool.num_blocks,
         "kv_fragmentation": kv.fragmentation(),
         "prefix_cache_queries": kv.prefix_cache_queries,
-        "prefix_cache_hits": kv.prefix_cache_hits,
+        "prefix_cache_hits": kv.prefix_cache_hits,  # tokens, from either tier
+        "cpu_prefix_cache_hits": kv.cpu_prefix_cache_hits,  # tokens loaded from the KV store
+        "cpu_prefix_cache_saved_blocks": kv.cpu_tier_saved_blocks,
+        "cpu_prefix_cache_loaded_blocks": kv.cpu_tier_loaded_blocks,
         "num_preemptions": sched.num_preemptions,
         "alloc_latency_us_p50": _percentile_us(pool.alloc_latency_ns, 0.50),
         "alloc_latency_us_p99": _percentile_us(pool.alloc_latency_ns, 0.99),
@@ -36,6 +39,7 @@ def engine_stats(engine) -> dict:
         "swap_in_bytes": sched.swap_in_blocks * engine.swap_block_bytes,
         "cpu_blocks_total": sched.cpu.num_blocks if sched.cpu else 0,
         "cpu_blocks_used": sched.cpu.num_used if sched.cpu else 0,
+        "cpu_blocks_cached": sched.cpu.num_cached if sched.cpu else 0,  # CPU prefix tier (free too)
         "kv_store_restarts": engine.kv_store_restarts,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (

@@ -3,6 +3,11 @@ map the segment swaps through `GrpcSwapSpace` (the same interface as the shared-
 
 Data moves as raw bytes in chunks of at most CHUNK_BYTES; headers and manifests are msgpack. Every
 chunk is checked against the pool's layout before a byte is written.
+
+The bulk path avoids protobuf's copies: a worker writes each BlockChunk's wire bytes itself (two
+length-delimited fields, so a shard's bytes are copied once, into the message), and the store
+reads the fields of a received message as views of its buffer (`decode_chunk`). The wire format
+is exactly kvstore.proto's, so any protobuf client or server interoperates.
 """
 
 from __future__ import annotations
@@ -35,6 +40,61 @@ def _unpack(raw: bytes, fields: tuple[str, ...]) -> dict:
     return msg
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or oversized varint")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def encode_chunk(header: bytes, parts: list) -> bytes:
+    """A serialized BlockChunk{header, data = parts joined}: one copy of the parts' bytes."""
+    size = sum(len(p) for p in parts)
+    return b"".join([b"\x0a", _varint(len(header)), header, b"\x12", _varint(size), *parts])
+
+
+def decode_chunk(raw: bytes) -> tuple[bytes, memoryview]:
+    """(header, data) of a serialized BlockChunk, the data a view of `raw` (no copy). Fields may
+    come in any order; unknown ones are skipped as protobuf would; malformed input is refused."""
+    buf = memoryview(raw)
+    fields = {1: b"", 2: buf[0:0]}
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _read_varint(buf, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 2:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > len(buf):
+                raise ValueError("a field runs past the end of the message")
+            if number in fields:
+                fields[number] = buf[pos:pos + length]
+            pos += length
+        elif wire_type == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire_type}")
+    if pos != len(buf):
+        raise ValueError("a field runs past the end of the message")
+    return bytes(fields[1]), fields[2]
+
+
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, layout: StoreLayout, valid: np.ndarray, data: np.ndarray):
         self.layout, self.valid, self.data = layout, valid, data
@@ -50,23 +110,27 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return block, offset, length
 
     def PutBlocks(self, request_iterator, context):
+        """`request_iterator` yields serialized BlockChunks (see `serve`): parsed as views."""
         received: dict[tuple[int, int], int] = {}
         writes = []
         try:
-            for chunk in request_iterator:
-                header = _unpack(chunk.header, ("rank", "pieces"))
+            for raw in request_iterator:
+                header, data = decode_chunk(raw)
+                header = _unpack(header, ("rank", "pieces"))
                 rank, pieces = header["rank"], header["pieces"]
                 if not isinstance(rank, int) or not isinstance(pieces, list):
                     raise ValueError("rank must be an integer and pieces a list")
                 start = 0
                 for piece in pieces:
                     block, offset, length = self._check_piece(rank, piece)
-                    if start + length > len(chunk.data):
+                    if start + length > len(data):
                         raise ValueError("a chunk's pieces are longer than its data")
-                    writes.append((block, rank, offset, chunk.data, start, length))
+                    if (block, rank) in received and offset == 0:
+                        raise ValueError(f"shard of block {block} (rank {rank}) sent twice")
+                    writes.append((block, rank, offset, data, start, length))
                     received[block, rank] = received.get((block, rank), 0) + length
                     start += length
-                if start != len(chunk.data):
+                if start != len(data):
                     raise ValueError("a chunk's data is longer than its pieces")
             short = [k for k, n in received.items() if n != self.layout.block_bytes]
             if short:
@@ -84,8 +148,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         try:
             manifest = _unpack(request.manifest, ("blocks", "rank"))
             blocks, rank = manifest["blocks"], manifest["rank"]
+            release = manifest.get("release", True)  # False: the CPU prefix tier keeps the block
             if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
                 raise ValueError("blocks must be a list of integers")
+            if not isinstance(release, bool):
+                raise ValueError("release must be a boolean")
             self.layout.check(blocks, rank)
             missing = [b for b in blocks if not self.valid[b, rank]]
             if missing:
@@ -93,11 +160,12 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from _chunks(rank, [(b, self.data[b, rank]) for b in blocks])
-        for block in blocks:
-            self.valid[block, rank] = 0
+        if release:
+            for block in blocks:
+                self.valid[block, rank] = 0
 
 
-def _chunks(rank: int, shards) -> Iterator[kvstore_pb2.BlockChunk]:
+def _chunks(rank: int, shards) -> Iterator[bytes]:
     """Pack (block, bytes) shards into chunks of up to CHUNK_BYTES: several small shards share a
     message, a large one spans several (per-message costs dominate below ~1 MiB)."""
     pieces, parts, size = [], [], 0
@@ -111,16 +179,31 @@ def _chunks(rank: int, shards) -> Iterator[kvstore_pb2.BlockChunk]:
             size += length
             offset += length
             if size == CHUNK_BYTES:
-                yield kvstore_pb2.BlockChunk(header=msgpack.packb({"rank": rank, "pieces": pieces}),
-                                             data=b"".join(parts))
+                yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces}), parts)
                 pieces, parts, size = [], [], 0
     if pieces:
-        yield kvstore_pb2.BlockChunk(header=msgpack.packb({"rank": rank, "pieces": pieces}), data=b"".join(parts))
+        yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces}), parts)
+
+
+_SERVICE = "pagedserve.v1.KVStore"
+
+
+def _handlers(service: KVStoreService) -> grpc.GenericRpcHandler:
+    """The KVStore service with BlockChunks passed as wire bytes both ways (no protobuf copies);
+    the small messages go through protobuf as usual."""
+    return grpc.method_handlers_generic_handler(_SERVICE, {
+        "PutBlocks": grpc.stream_unary_rpc_method_handler(
+            service.PutBlocks, request_deserializer=None,
+            response_serializer=kvstore_pb2.PutReply.SerializeToString),
+        "GetBlocks": grpc.unary_stream_rpc_method_handler(
+            service.GetBlocks, request_deserializer=kvstore_pb2.GetRequest.FromString,
+            response_serializer=None),
+    })
 
 
 def serve(layout: StoreLayout, valid: np.ndarray, data: np.ndarray, host: str) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreService(layout, valid, data), server)
+    server.add_generic_rpc_handlers((_handlers(KVStoreService(layout, valid, data)),))
     port = server.add_insecure_port(f"{host}:0")
     server.start()
     return server, port
@@ -136,25 +219,31 @@ class GrpcSwapSpace:
         layout.check([], rank, self._kv_bytes.shape[1])
         self.layout, self.rank = layout, rank
         self._channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        # Chunks travel as wire bytes (encode_chunk / decode_chunk), not protobuf objects.
+        self._put = self._channel.stream_unary(f"/{_SERVICE}/PutBlocks", request_serializer=None,
+                                               response_deserializer=kvstore_pb2.PutReply.FromString)
+        self._get = self._channel.unary_stream(f"/{_SERVICE}/GetBlocks",
+                                               request_serializer=kvstore_pb2.GetRequest.SerializeToString,
+                                               response_deserializer=None)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         check_device_blocks([d for d, _ in pairs], self._kv_bytes.shape[0])
         self.layout.check([c for _, c in pairs], self.rank)
-        self._stub.PutBlocks(_chunks(self.rank, ((c, self._kv_bytes[d].numpy()) for d, c in pairs)))
+        self._put(_chunks(self.rank, ((c, self._kv_bytes[d].numpy()) for d, c in pairs)))
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
         if not pairs:
             return
         check_device_blocks([d for _, d in pairs], self._kv_bytes.shape[0])
         target = {c: d for c, d in pairs}
-        manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank})
-        for chunk in self._stub.GetBlocks(kvstore_pb2.GetRequest(manifest=manifest)):
-            data = np.frombuffer(chunk.data, dtype=np.uint8)
+        manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank, "release": release})
+        for raw in self._get(kvstore_pb2.GetRequest(manifest=manifest)):
+            header, data = decode_chunk(raw)
+            data = np.frombuffer(data, dtype=np.uint8)
             start = 0
-            for block, offset, length in msgpack.unpackb(chunk.header)["pieces"]:
+            for block, offset, length in msgpack.unpackb(header)["pieces"]:
                 row = self._kv_bytes[target[block]].numpy()
                 row[offset:offset + length] = data[start:start + length]
                 start += length

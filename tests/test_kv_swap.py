@@ -197,3 +197,52 @@ def test_bad_grpc_store_requests_are_refused_and_change_nothing():
         assert b"".join(c.data for c in got) == b"z" * 64
     finally:
         store.close()
+
+
+def test_store_chunks_are_protobuf_wire_bytes_and_malformed_ones_are_refused():
+    import grpc
+    import msgpack
+
+    from kvstore.grpc_transport import decode_chunk, encode_chunk
+    from pagedserve.v1 import kvstore_pb2
+
+    header, parts = b"h" * 300, [b"a" * 30000, b"b" * 40000]
+    wire = kvstore_pb2.BlockChunk(header=header, data=b"".join(parts)).SerializeToString()
+    assert encode_chunk(header, parts) == wire
+    got_header, got_data = decode_chunk(wire)
+    assert got_header == header and bytes(got_data) == b"".join(parts)
+    # Fields in another order, and an unknown field, as any protobuf writer may send them.
+    reordered = (kvstore_pb2.BlockChunk(data=b"xy").SerializeToString() + b"\x18\x07"
+                 + kvstore_pb2.BlockChunk(header=b"h").SerializeToString())
+    assert decode_chunk(reordered)[0] == b"h" and bytes(decode_chunk(reordered)[1]) == b"xy"
+    for bad in (b"\x0a\x05ab", b"\x0a", b"\x0b\x01", b"\x0a" + b"\xff" * 11):
+        with pytest.raises(ValueError):
+            decode_chunk(bad)
+
+    store = KVStore(num_blocks=2, tp_size=1, block_bytes=64, transport="grpc")
+    try:
+        channel = grpc.insecure_channel(store.layout.grpc_address)
+        put = channel.stream_unary("/pagedserve.v1.KVStore/PutBlocks", request_serializer=None,
+                                   response_deserializer=kvstore_pb2.PutReply.FromString)
+        before = store._data.copy()
+        with pytest.raises(grpc.RpcError) as err:
+            put(iter([b"\x0a\x05ab"]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "past the end" in err.value.details()
+        assert (store._data == before).all() and not store._valid.any()
+        one = msgpack.packb({"rank": 0, "pieces": [[1, 0, 64]]})
+        with pytest.raises(grpc.RpcError) as err:
+            put(iter([encode_chunk(one, [b"q" * 64]), encode_chunk(one, [b"r" * 64])]))
+        assert "sent twice" in err.value.details()
+        assert put(iter([encode_chunk(one, [b"q" * 64])])).blocks == 1
+        # A CPU prefix-tier read keeps the block valid; a swap-in releases it.
+        get = channel.unary_stream("/pagedserve.v1.KVStore/GetBlocks",
+                                   request_serializer=kvstore_pb2.GetRequest.SerializeToString,
+                                   response_deserializer=kvstore_pb2.BlockChunk.FromString)
+        for release, valid_after in ((False, True), (True, False)):
+            manifest = msgpack.packb({"blocks": [1], "rank": 0, "release": release})
+            chunks = list(get(kvstore_pb2.GetRequest(manifest=manifest)))
+            assert b"".join(c.data for c in chunks) == b"q" * 64
+            assert bool(store._valid[1, 0]) is valid_after
+        channel.close()
+    finally:
+        store.close()

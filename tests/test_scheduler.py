@@ -480,22 +480,32 @@ workloads = st.fixed_dictionaries({
     "chunked": st.booleans(),
     "prefix": st.booleans(),
     "arrivals": st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    # A CPU KV store of this many blocks (0: none): swap preemption and the prefix cache's CPU tier.
+    "cpu_blocks": st.sampled_from([0, 1, 2, 3, 8]),
+    "preemption_mode": st.sampled_from(["swap", "auto", "recompute"]),
 })
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads)
 def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
     """The sampled token is computed from what the block tables hold (a shadow of the KV cache
-    written through the tables), so a wrong prefix hit, a lost block or a stale preempted table
-    changes the outputs; they must equal the reference computed from the token ids."""
+    written through the tables, and of the CPU store, with each step's transfers applied in the
+    workers' order: swap-outs, copies, swap-ins, loads), so a wrong prefix hit, a lost block, a
+    stale table, or a CPU block overwritten before a step read it changes the outputs; they must
+    equal the reference computed from the token ids."""
+    from coordinator.cpu_block_pool import CpuBlockPool
+
     bs = w["block_size"]
     longest = max(len(p) + m for p, m in zip(w["prompts"], w["max_tokens"]))
     num_blocks = -(-longest // bs) + w["extra_blocks"]  # the longest sequence always fits alone
     budget = (longest if not w["chunked"] else 1) + w["budget_extra"]
-    sched, kv = make_scheduler(num_blocks=num_blocks, budget=budget, max_num_seqs=w["max_num_seqs"],
-                               chunked=w["chunked"], prefix=w["prefix"], block_size=bs)
+    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=w["prefix"], watermark=0.0)
+    cpu = CpuBlockPool(w["cpu_blocks"]) if w["cpu_blocks"] else None
+    sched = Scheduler(kv, w["max_num_seqs"], budget, w["chunked"], cpu=cpu,
+                      preemption_mode=w["preemption_mode"] if cpu else "recompute")
     content = {b: [None] * bs for b in range(num_blocks)}
+    cpu_content = {c: [None] * bs for c in range(w["cpu_blocks"])}
     seqs = [Sequence(i, f"r{i}", p, SamplingParams(max_tokens=w["max_tokens"][i]))
             for i, p in enumerate(w["prompts"])]
     pending = list(seqs)
@@ -511,13 +521,25 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
         assert len(set(ids)) == len(ids)
         assert len(sched.running) <= w["max_num_seqs"]
         for victim in out.preempted:
-            assert victim in sched.waiting and victim.block_table == []
-            assert victim.num_computed_tokens == 0
+            assert victim.block_table == []
+            if victim.status is SequenceStatus.SWAPPED:
+                assert any(victim in group for group in sched.swapped)
+            else:
+                assert victim in sched.waiting and victim.num_computed_tokens == 0
         if out.preempted:
             assert all(s in sched.running for s, _ in out.scheduled)
-            assert sched.waiting[0] is out.preempted[-1]
+            recomputed = [v for v in out.preempted if v.status is SequenceStatus.WAITING]
+            if recomputed:
+                assert sched.waiting[0] is recomputed[-1]
+        # The workers' order. Every transfer reads a snapshot taken at its turn.
+        for d, c in out.swap_out:
+            cpu_content[c] = list(content[d])
         for src, dst in out.copies:
             content[dst] = list(content[src])
+        for c, d in out.swap_in + out.load:
+            content[d] = list(cpu_content[c])
+        for c, _ in out.swap_in:
+            cpu_content[c] = [None] * bs  # released: the store no longer vouches for it
         for seq, n in out.scheduled:
             assert n >= 1
             assert seq.status is SequenceStatus.RUNNING
@@ -533,13 +555,20 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
                 seq.token_ids.append(_next_token(seq.token_ids))
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-        # Ref counts equal the number of running tables holding each block.
+        sched.end_step()
+        # Ref counts equal the number of running tables holding each block, on both pools.
         counts = [0] * num_blocks
         for seq in sched.running:
             for b in seq.block_table:
                 counts[b] += 1
         assert kv.pool.ref_counts == counts
         assert all(s.block_table == [] for s in sched.waiting)
+        if cpu is not None:
+            cpu_counts = [0] * cpu.num_blocks
+            for group in sched.swapped:
+                for c in set(c for seq in group for c in seq.cpu_block_table):
+                    cpu_counts[c] += sum(seq.cpu_block_table.count(c) for seq in group)
+            assert cpu.ref_counts == cpu_counts
     for seq in seqs:
         assert seq.status is SequenceStatus.FINISHED_LENGTH
         expected = list(seq.prompt_token_ids)
@@ -547,6 +576,8 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
             expected.append(_next_token(expected))
         assert seq.token_ids == expected
     assert_no_leak(kv)
+    if cpu is not None:
+        assert cpu.num_used == 0
 
 
 def test_decodes_run_before_an_older_sequences_remaining_prefill_chunks():

@@ -73,15 +73,17 @@ class SwapSpace:
                 self._data[c].copy_(self._kv_bytes[d])
             self.valid[cpu.numpy(), self.rank] = 1
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(cpu block, device block) pairs: read this rank's shards back and release them."""
+    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
+        """(cpu block, device block) pairs: read this rank's shards back, and release them unless
+        they stay cached (`release=False`, the CPU prefix tier)."""
         if pairs:
             device, cpu = self._ids(pairs, device_first=False)
             if not self.valid[cpu.numpy(), self.rank].all():
                 raise RuntimeError("swap-in of a CPU block this rank never wrote")
             for d, c in zip(device.tolist(), cpu.tolist()):
                 self._kv_bytes[d].copy_(self._data[c])
-            self.valid[cpu.numpy(), self.rank] = 0
+            if release:
+                self.valid[cpu.numpy(), self.rank] = 0
 
     def close(self) -> None:
         """Unmap the segment (the store owns and unlinks it)."""

@@ -1,7 +1,8 @@
 """The step plan: what the coordinator asks every worker to do in one engine step.
 
 Plain data (numpy arrays and lists), so the same object goes to an in-process worker or, pickled,
-to Ray worker actors. Workers execute `swap_out`, `swap_in` and `copy` before the forward pass.
+to Ray worker actors. Before the forward pass workers execute, in this order, `swap_out`, `copy`,
+then `swap_in` and `load` (the scheduler's ordering contract rests on it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class StepPlan:
     copy: list[tuple[int, int]] = field(default_factory=list)  # (src_block, dst_block), CoW
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, device_block)
+    # (cpu_block, device_block) reads from the CPU prefix tier: the CPU block stays valid.
+    load: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their per-sequence state
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 

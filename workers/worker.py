@@ -111,13 +111,15 @@ class Worker:
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.drop(plan.finished_seq_ids)
-        # Swap out before the copy-on-write copies: a block freed by a swap-out may be a copy's
-        # destination in the same step. A step never both swaps out and swaps in.
+        # Swap-outs first: a block they read may be a copy's or a swap-in's destination in the
+        # same step (a block freed by a swap-out, or a cached block evicted and saved).
         if plan.swap_out:
             self.swap_space.swap_out(plan.swap_out)
         copy_blocks(self.kv_cache, plan.copy)
         if plan.swap_in:
             self.swap_space.swap_in(plan.swap_in)
+        if plan.load:
+            self.swap_space.swap_in(plan.load, release=False)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
         meta = kernels.build_attention_metadata(
