@@ -54,9 +54,10 @@ PRIORITY_AGING_STEPS = 64
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # preemption_mode "auto" swaps a victim with at least this many computed tokens when the store has
-# room. Per token of SmolLM2 (46 KB of fp32 K/V) a swap out and back moves 92 KB: ~7 us at the
-# ~13 GB/s memcpy measured here, against ~1.7 ms to recompute it (prefill ~590 tokens/s on these
-# 2 cores). Swapping wins from the first token; only a victim with nothing computed recomputes.
+# room. benchmarks/swap.py measures both costs of SmolLM2 on these 2 cores in one run: a swap out
+# and back through shared memory costs ~30 us fixed + 6.9 us per token (46 KB of fp32 K/V), while
+# recomputing costs ~1,565 us per token of prefill; swapping is cheaper from 0.02 tokens on. So
+# every victim with a computed token swaps; one with none has nothing to swap and recomputes.
 AUTO_SWAP_MIN_TOKENS = 1
 
 

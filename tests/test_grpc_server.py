@@ -149,6 +149,8 @@ def test_health_is_serving_and_stats_have_the_engine_fields(server, stub):
     assert status == health_pb2.HealthCheckResponse.SERVING
     stats = stub.GetStats(pb.GetStatsRequest()).stats
     assert {"kv_blocks_total", "kv_usage", "prefix_cache_hits", "num_waiting", "num_queued"} <= set(stats)
+    assert {"swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "cpu_blocks_total",
+            "cpu_blocks_used", "cpu_blocks_cached", "cpu_prefix_cache_hits", "kv_store_restarts"} <= set(stats)
 
 
 def test_full_queue_is_resource_exhausted(llm):
