@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import inspect
 import json
 import os
 import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # The GGUF dequantizing bar is plain tqdm, which reads this only when it is first imported.
@@ -35,18 +32,16 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.bench import hf_baseline as bench_hf  # noqa: E402
+from pagedserve.bench.dataset import BenchRequest, corpus_text  # noqa: E402
+from pagedserve.bench.hf_baseline import batches, hf_generate  # noqa: E402
 from pagedserve.config import resolve_model  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-CORPUS_MODULES = ("collections", "json", "os", "re", "typing", "argparse", "logging", "unittest",
-                  "email", "http", "inspect", "pathlib", "functools", "itertools", "textwrap")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int
+Request = BenchRequest  # prompt_ids, max_tokens
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -120,21 +115,6 @@ class Stopwatch:
 
 
 # ---- workload ------------------------------------------------------------------------------------
-def corpus_text() -> str:
-    """Docstrings of stdlib modules and their public members: real English prose, no network,
-    the same on every machine with the same Python."""
-    seen, parts = set(), []
-    for name in CORPUS_MODULES:
-        module = importlib.import_module(name)
-        members = [getattr(module, k) for k in sorted(dir(module)) if not k.startswith("_")]
-        for obj in [module, *members]:
-            doc = inspect.getdoc(obj)
-            if doc and doc not in seen:  # re-exported objects share docstrings
-                seen.add(doc)
-                parts.append(doc)
-    return "\n\n".join(parts)
-
-
 def make_workload(tokenizer, args) -> list[Request]:
     corpus = tokenizer.encode(corpus_text(), add_special_tokens=False)
     if len(corpus) < args.prompt_len_max:
@@ -250,36 +230,7 @@ def run_pagedserve(args, requests: list[Request]) -> dict:
 
 # ---- transformers --------------------------------------------------------------------------------
 def load_hf_model(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    src = resolve_model(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(
-        src.directory, gguf_file=src.gguf_file, dtype=dtype,
-        quantization_config=GgufConfig(dequantize=True))  # dense weights, as pagedserve loads them
-    return model.eval(), tokenizer
-
-
-def left_pad(batch: list[Request], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r.prompt_ids) for r in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, r in enumerate(batch):
-        ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        mask[i, width - len(r.prompt_ids):] = 1
-    return ids, mask
-
-
-def hf_generate(model, batch: list[Request], pad_id: int) -> list[list[int]]:
-    ids, mask = left_pad(batch, pad_id)
-    new = max(r.max_tokens for r in batch)  # a static batch runs until its longest request is done
-    # eos_token_id=None: never stop early, the counterpart of ignore_eos (min_new_tokens would
-    # instead ban EOS and change the greedy tokens).
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                         eos_token_id=None, pad_token_id=pad_id)
-    generated = out[:, ids.shape[1]:]
-    assert generated.shape[1] == new, f"HF stopped early: {generated.shape[1]} != {new}"
-    return [generated[i, :r.max_tokens].tolist() for i, r in enumerate(batch)]
+    return bench_hf.load_hf_model(MODEL, dtype)
 
 
 def hf_kv(requests: list[Request], batch_size: int, bytes_per_slot: int) -> dict:
@@ -295,11 +246,6 @@ def hf_kv(requests: list[Request], batch_size: int, bytes_per_slot: int) -> dict
             "waste_at_peak": 1.0 - needed[peak] / slots[peak],
             "waste_all_batches": 1.0 - sum(needed) / sum(slots),
             "peak_bytes": slots[peak] * bytes_per_slot, "batches": len(slots)}
-
-
-def batches(requests: list[Request], size: int):
-    for i in range(0, len(requests), size):
-        yield requests[i:i + size]
 
 
 def run_transformers(args, requests: list[Request]) -> dict:

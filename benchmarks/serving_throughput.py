@@ -24,11 +24,7 @@ import asyncio
 import gc
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -41,6 +37,7 @@ import offline_throughput as workload  # noqa: E402  (the same workload and stop
 
 import pagedserve  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.bench.embedded import EmbeddedServer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,35 +72,6 @@ def run_offline(args, requests) -> dict:
 
 
 # ---- served --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port)]
-    for name, value in engine_flags(args).items():
-        cmd += [f"--{name.replace('_', '-')}", str(value)]
-    # The server's stderr passes through: a refused configuration says why there.
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
-
-
-def wait_healthy(target: str, server: subprocess.Popen, timeout: float) -> float:
-    start = time.monotonic()
-    with pagedserve.Client(target, timeout=2) as client:
-        while time.monotonic() - start < timeout:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode} before serving")
-            try:
-                if client.health():
-                    return time.monotonic() - start
-            except pagedserve.ServingError:
-                pass
-            time.sleep(0.5)
-    raise RuntimeError(f"the server did not report SERVING within {timeout} s")
-
-
 async def send_all(target: str, requests) -> list[list[int]]:
     client = pagedserve.AsyncClient(target)
     try:
@@ -120,11 +88,10 @@ async def _tokens(client, request) -> list[int]:
 
 
 def run_served(args, requests) -> dict:
-    port = _free_port()
-    target = f"127.0.0.1:{port}"
-    server = start_server(args, port)
+    server = EmbeddedServer(engine_flags(args))
+    target = server.target
     try:
-        startup_s = wait_healthy(target, server, args.server_start_timeout)
+        startup_s = server.wait_healthy(args.server_start_timeout)
         with pagedserve.Client(target, timeout=30) as client:
             before = client.stats()
         loop = asyncio.new_event_loop()
@@ -134,12 +101,7 @@ def run_served(args, requests) -> dict:
         with pagedserve.Client(target, timeout=30) as client:
             stats = client.stats()
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        server.stop()  # Ctrl-C, as a user stops it
     steps = int(stats["num_steps"] - before["num_steps"])
     overhead_us = ((stats["executor_overhead_us_per_step"] * stats["num_steps"]
                     - before["executor_overhead_us_per_step"] * before["num_steps"]) / max(1, steps))

@@ -35,14 +35,17 @@ class CoordinatorActor:
         self._server = None
         self._load: asyncio.Task | None = None
         self._closing = False
+        self._metrics = None  # MetricsServer
         self.port = 0
         self._info: dict = {}
 
     async def start(self, config: dict, host: str = "127.0.0.1", port: int = 50051,
                     max_queued_requests: int = 1024, api_key: str | None = None,
-                    tls_cert: bytes | None = None, tls_key: bytes | None = None, wait: bool = True) -> int:
-        """Bind the gRPC server, then load the model and start the engine loop; returns the bound
-        port. TLS takes the PEM bytes of a certificate chain and its private key."""
+                    tls_cert: bytes | None = None, tls_key: bytes | None = None, wait: bool = True,
+                    metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
+        """Bind the gRPC server (and the Prometheus endpoint on metrics_host:metrics_port unless
+        the port is None; 0 picks a free one), then load the model and start the engine loop;
+        returns the bound gRPC port. TLS takes the PEM bytes of a certificate chain and its key."""
         from coordinator.grpc_server import ServingServer
 
         if self._server is not None:
@@ -58,11 +61,26 @@ class CoordinatorActor:
         self.port = await self._server.start(host, port)
         self._info = {"model": engine_config.model, "host": host, "port": self.port, "tls": tls is not None,
                       "auth": bool(api_key)}
+        if metrics_port is not None:
+            self._start_metrics(engine_config.model, metrics_host, metrics_port)
         self._load = asyncio.get_running_loop().create_task(self._load_engine(engine_config, max_queued_requests))
         self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
         if wait:
             await self.wait_ready()
         return self.port
+
+    def _start_metrics(self, model: str, host: str, port: int) -> None:
+        from coordinator.prometheus import MetricsServer, PagedserveCollector
+
+        collector = PagedserveCollector(
+            model, lambda: self._engine.engine if self._engine is not None else None,
+            lambda: dict(self._server.rejected))
+        try:
+            self._metrics = MetricsServer(collector, host, port)
+        except OSError:
+            asyncio.get_running_loop().create_task(self._server.stop(grace=0))
+            raise
+        self._info["metrics_port"] = self._metrics.port
 
     async def _load_engine(self, config: EngineConfig, max_queued_requests: int) -> None:
         from coordinator.async_engine import AsyncEngine
@@ -109,6 +127,9 @@ class CoordinatorActor:
     async def shutdown(self) -> None:
         """Stop answering (2 s of grace for open streams), stop the engine loop and its workers."""
         self._closing = True
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._server is not None:
             await self._server.stop(grace=2)
         if self._engine is not None:

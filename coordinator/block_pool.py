@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
+from coordinator.metrics import ALLOCATION_US_BUCKETS, Histogram
+
 _LATENCY_SAMPLES = 65536
 
 
@@ -33,6 +35,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         # Recent allocation latencies (ns), for p50/p99 in the stats.
         self.alloc_latency_ns: deque[int] = deque(maxlen=_LATENCY_SAMPLES)
+        self.alloc_latency_us = Histogram(ALLOCATION_US_BUCKETS)  # every allocation, for Prometheus
         self.num_evictions = 0
         # When a list: every (block, hash) evicted by an allocation, for the CPU prefix tier to
         # save before the block is overwritten.
@@ -61,7 +64,9 @@ class BlockPool:
             if self.evicted is not None:
                 self.evicted.append((block, old_hash))
         self.ref_counts[block] = 1
-        self.alloc_latency_ns.append(time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
+        self.alloc_latency_ns.append(elapsed)
+        self.alloc_latency_us.observe(elapsed / 1000)
         return block
 
     def incref(self, block: int) -> None:

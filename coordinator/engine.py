@@ -16,6 +16,7 @@ from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.beam_search import beam_step
 from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.kv_cache_manager import KVCacheManager
+from coordinator.metrics import EngineMetrics
 from coordinator.outputs import RequestOutput
 from coordinator.plan_builder import build_step_plan
 from coordinator.request_state import Completion, RequestState
@@ -61,6 +62,7 @@ class LLMEngine:
             self.executor.shutdown()  # no worker actor outlives a refused configuration
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_pool_bytes = num_blocks * self.executor.block_bytes() * config.tensor_parallel_size
         self.swap_block_bytes = 0  # one block over every rank, as swapped
         self.kv_store_restarts = 0
         try:
@@ -79,6 +81,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.peak_blocks_used = 0
         self.num_steps = 0
+        self.metrics = EngineMetrics()
         self.execute_seconds = 0.0  # executor.execute as the engine sees it
         self.worker_seconds = 0.0  # of which rank 0 computed; the difference is dispatch overhead
 
@@ -202,6 +205,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.metrics.finished["abort"] += 1
+        self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - req.first.arrival_time)
         req.seq.fork_ids = []
         for c in req.completions:
             if not c.seq.status.finished:
@@ -215,6 +220,7 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.monotonic()
         if self.kv_store is not None and not self.kv_store.alive():
             self._restart_kv_store()
         sched = self.scheduler.schedule()
@@ -222,6 +228,8 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                if seq.num_preemptions == 0 and seq is self.requests[seq.request_id].first:
+                    self.metrics.observe("request_queue_time_seconds", now - seq.arrival_time)
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
         start = time.perf_counter()
@@ -231,7 +239,14 @@ class LLMEngine:
         self.worker_seconds += output.worker_seconds
         self.num_steps += 1
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
-        return self._process(sched, output)
+        outputs = self._process(sched, output)
+        metrics = self.metrics
+        if sched.num_tokens:
+            metrics.observe("tokens_per_step", sched.num_tokens)
+        if output.swap_seconds:
+            metrics.observe("swap_transfer_seconds", output.swap_seconds)
+        metrics.observe("step_duration_seconds", time.monotonic() - step_start)
+        return outputs
 
     def _process(self, sched, output) -> list[RequestOutput]:
         sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
@@ -249,10 +264,14 @@ class LLMEngine:
             if seq.seq_id not in sampled:
                 continue  # a prefill chunk that is not the last
             req = self.requests[seq.request_id]
+            if seq.last_token_time is not None:
+                self.metrics.observe("inter_token_latency_seconds", now - seq.last_token_time)
+            seq.last_token_time = now
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 if seq is req.first:
                     self.num_prompt_tokens += seq.num_prompt_tokens
+                    self.metrics.observe("time_to_first_token_seconds", now - seq.arrival_time)
             touched[req.request_id] = req
             if req.beam is not None:
                 req.pending_beam_logprobs[seq.seq_id] = logprobs[seq.seq_id]
@@ -269,6 +288,10 @@ class LLMEngine:
             out = req.output()
             if out is not None:
                 outputs.append(out)
+            if req.finished:
+                reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
+                self.metrics.finished[reason or "abort"] += 1
+                self.metrics.observe("e2e_request_latency_seconds", now - req.first.arrival_time)
         return outputs
 
     def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
@@ -285,6 +308,7 @@ class LLMEngine:
         child.token_ids = list(parent.token_ids)
         child.priority, child.arrival_time = parent.priority, parent.arrival_time
         child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
+        child.last_token_time = parent.last_token_time
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         if parent.status == SequenceStatus.RUNNING:
             self.kv.fork(parent, child)

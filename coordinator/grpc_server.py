@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections import Counter
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,8 +48,9 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     """Serving methods plus the server's state: loading -> serving -> failed (or stopping)."""
 
-    def __init__(self):
+    def __init__(self, rejected: Counter | None = None):
         self.engine: AsyncEngine | None = None
+        self.rejected = rejected if rejected is not None else Counter()  # refusals by reason
         self.health = health.aio.HealthServicer()
         self.state = "loading"
         self.reason = "the model is still loading"
@@ -109,6 +111,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     async def Generate(self, request, context):
         if self.state != "serving":
+            self.rejected["unavailable"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
         try:
             prompt, token_ids = self._prompt(request)
@@ -116,12 +119,15 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             stream = self.engine.generate(prompt, token_ids, params, request.request_id, request.priority)
             first = await anext(stream)
         except ValueError as e:
+            self.rejected["invalid_argument"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
+            self.rejected["queue_full"] += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineDeadError as e:
             if e.in_flight:
                 await self._dead(e, context)
+            self.rejected["unavailable"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
             out = first
@@ -153,6 +159,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         if self.state != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
         stats = await self.engine.stats()
+        for reason in ("invalid_argument", "queue_full", "unavailable", "unauthenticated"):
+            stats[f"requests_rejected_{reason}"] = self.rejected[reason]
         return serving_pb2.GetStatsResponse(stats={k: float(v) for k, v in stats.items()})
 
 
@@ -207,11 +215,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Serving methods need `authorization: Bearer <token>`; anything else answers UNAUTHENTICATED.
     Other services (health, reflection) stay open, so that probes need no secret."""
 
-    def __init__(self, token: str, guarded_prefix: str = f"/{SERVICE_NAME}/"):
+    def __init__(self, token: str, guarded_prefix: str = f"/{SERVICE_NAME}/", rejected: Counter | None = None):
         if not token:
             raise ValueError("the API key must not be empty")
         self._expected = f"Bearer {token}".encode()
         self._prefix = guarded_prefix
+        self._rejected = rejected if rejected is not None else Counter()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -224,6 +233,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if got and hmac.compare_digest(got.encode("utf-8", "replace"), self._expected):
             return handler
         why = "wrong bearer token" if got else "missing bearer token (metadata 'authorization: Bearer <key>')"
+        self._rejected["unauthenticated"] += 1
         return _refusal(handler, why)
 
 
@@ -252,8 +262,9 @@ class ServingServer:
     """
 
     def __init__(self, api_key: str | None = None, tls: tuple[bytes, bytes] | None = None):
-        self.servicer = ServingServicer()
-        interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+        self.rejected: Counter = Counter()  # requests refused, by reason (metrics and GetStats)
+        self.servicer = ServingServicer(self.rejected)
+        interceptors = [BearerTokenInterceptor(api_key, rejected=self.rejected)] if api_key else []
         self.tls = tls
         self.auth = bool(api_key)
         # so_reuseport=0: otherwise a second server binds the same port silently.

@@ -33,7 +33,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
-                 "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table")
+                 "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table", "last_token_time")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
@@ -50,6 +50,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # of its latest token (inter-token latency)
         self.finish_time: float | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

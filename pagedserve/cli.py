@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "if set, else no auth); health and reflection stay open")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain) file: serve over TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key file of --tls-cert")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="interface of the Prometheus endpoint /metrics (default: %(default)s)")
+    serve.add_argument("--metrics-port", type=int, default=9400,
+                       help="port of the Prometheus endpoint; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--no-metrics", action="store_true", help="serve no Prometheus endpoint")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)
@@ -87,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print a running server's stats")
     _add_client_flags(stats)
 
+    bench = sub.add_parser("bench", help="benchmark a running server (or an embedded one): throughput, latency, "
+                                         "KV usage, prefix hits; table, JSON and plots",
+                           description="Send a workload to a server and report what it did. Engine flags apply "
+                                       "to --embedded (and --model names the tokenizer and the baseline's model).")
+    add_engine_flags(bench)
+    _add_client_flags(bench)
+    from pagedserve.bench.command import add_bench_arguments
+
+    add_bench_arguments(bench)
     stop = sub.add_parser("stop", help="stop the server running in a Ray cluster (one started with --detach)")
     stop.add_argument("--address", default="auto", help="the Ray cluster: 'auto' or host:port (default: %(default)s)")
     return parser
@@ -227,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.serve_command import run_stop
 
         return run_stop(args)
+    if args.command == "bench":
+        from pagedserve.bench.command import run_bench
+
+        return run_bench(args, _api_key(args))
     try:
         config = config_from_args(args)
     except ValueError as e:

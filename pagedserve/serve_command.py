@@ -137,13 +137,17 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         _err(f"loading {config.model} ...")
         cert, key = tls if tls else (None, None)
         try:
+            metrics_port = None if args.no_metrics else args.metrics_port
             port = ray.get(actor.start.remote(config_dict(config), args.host, args.port, args.max_queued_requests,
-                                              api_key, cert, key, False))
+                                              api_key, cert, key, False, args.metrics_host, metrics_port))
             _err(f"bound {_hostport(args.host, port)}; health says NOT_SERVING until the model is loaded")
             ray.get(actor.wait_ready.remote())
         except ray.exceptions.RayError as e:
             _err(f"the server failed to start: {_cause(e)}")
             return 1
+        status = ray.get(actor.status.remote())
+        if "metrics_port" in status:
+            _err(f"Prometheus metrics on http://{_hostport(args.metrics_host, status['metrics_port'])}/metrics")
         notes = [n for n, on in (("TLS", tls is not None), ("API key required", bool(api_key))) if on]
         print(f"serving {config.model} on {_hostport(args.host, port)}" + (f" ({', '.join(notes)})" if notes else ""),
               flush=True)

@@ -9,7 +9,7 @@ from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceStatus
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from tests.test_kv_swap import TIGHT, _assert_all_free
 from tests.test_model_correctness import _generate, _prompts
 from tests.test_scheduler import make_seq, run_step

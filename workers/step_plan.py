@@ -94,3 +94,4 @@ class StepOutput:
     # seq_id -> (first prompt position, [TokenLogprobs of the token after each position])
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch
+    swap_seconds: float = 0.0  # of which its swap and CPU-tier transfers took

@@ -104,15 +104,18 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
+        transfer_seconds = self._transfer(plan)
         output = self._execute(plan)
         output.worker_seconds = time.perf_counter() - start
+        output.swap_seconds = transfer_seconds if plan.swap_out or plan.swap_in or plan.load else 0.0
         return output
 
-    @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepOutput:
-        self.sampler.drop(plan.finished_seq_ids)
-        # Swap-outs first: a block they read may be a copy's or a swap-in's destination in the
-        # same step (a block freed by a swap-out, or a cached block evicted and saved).
+    def _transfer(self, plan: StepPlan) -> float:
+        """The step's swaps and CPU-tier transfers, in the order the scheduler relies on: swap-outs
+        first (a block they read may be a copy's or a swap-in's destination in the same step: a
+        block freed by a swap-out, or a cached block evicted and saved), then the copy-on-write
+        copies, then swap-ins; then the forward pass may run. Returns the seconds they took."""
+        start = time.perf_counter()
         if plan.swap_out:
             self.swap_space.swap_out(plan.swap_out)
         copy_blocks(self.kv_cache, plan.copy)
@@ -120,6 +123,11 @@ class Worker:
             self.swap_space.swap_in(plan.swap_in)
         if plan.load:
             self.swap_space.swap_in(plan.load, release=False)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        self.sampler.drop(plan.finished_seq_ids)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
         meta = kernels.build_attention_metadata(
