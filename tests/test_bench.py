@@ -7,13 +7,12 @@ import random
 import statistics
 
 import pytest
-import ray
 
-from coordinator.actor import CoordinatorActor, config_dict
 from pagedserve.bench.dataset import draw_length, load_jsonl, parse_range, synthetic
 from pagedserve.bench.runner import RequestResult, arrival_times
 from pagedserve.cli import main
 from pagedserve.config import EngineConfig
+from tests.serving import running_coordinator
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +83,8 @@ def test_inter_token_latency_spreads_a_chunks_gap_over_its_tokens():
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, distributed_executor_backend="ray", kv_cache_memory=1 << 22)
-    actor = CoordinatorActor.remote()
-    try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=180)
-        yield f"127.0.0.1:{port}"
-    finally:
-        ray.get(actor.shutdown.remote(), timeout=60)
-        ray.kill(actor)
+    with running_coordinator(config) as (_, target):
+        yield target
 
 
 def test_bench_against_a_running_server_writes_the_table_json_and_plots(server, tiny_llama, tmp_path, capsys):

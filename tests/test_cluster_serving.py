@@ -17,6 +17,7 @@ import pagedserve
 from coordinator.actor import CoordinatorActor, config_dict
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
+from tests.serving import running_coordinator
 
 ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=64)
 
@@ -24,13 +25,8 @@ ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=64)
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
-    actor = CoordinatorActor.remote()
-    try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=180)
-        yield f"127.0.0.1:{port}"
-    finally:
-        ray.get(actor.shutdown.remote(), timeout=60)
-        ray.kill(actor)
+    with running_coordinator(config) as (_, target):
+        yield target
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 import pagedserve
-from coordinator.actor import CoordinatorActor, config_dict
 from pagedserve.config import EngineConfig
+from tests.serving import running_coordinator
 
 NUM_REQUESTS = 24
 # A small pool (32 blocks of 16) and 8 sequences at most: requests wait and get preempted.
@@ -51,14 +51,9 @@ EXPECTED_TYPES = {
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, distributed_executor_backend="ray", **ENGINE)
-    actor = CoordinatorActor.remote()
-    try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0, metrics_port=0), timeout=180)
+    with running_coordinator(config, metrics_port=0) as (actor, target):
         status = ray.get(actor.status.remote())
-        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{status['metrics_port']}/metrics"
-    finally:
-        ray.get(actor.shutdown.remote(), timeout=60)
-        ray.kill(actor)
+        yield target, f"http://127.0.0.1:{status['metrics_port']}/metrics"
 
 
 def scrape(url: str) -> dict[str, dict]:

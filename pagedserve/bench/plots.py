@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from pagedserve.bench.runner import RunResult
 
 
@@ -48,7 +50,7 @@ def write_plots(run: RunResult, plot_dir: str) -> list[str]:
         if values:
             ax.hist(values, bins=min(40, max(5, len(values) // 3)), color="tab:blue", alpha=0.8)
             for q, style in ((50, "-"), (99, "--")):
-                v = sorted(values)[min(len(values) - 1, int(q / 100 * len(values)))]
+                v = float(np.percentile(values, q))  # as the table computes them
                 ax.axvline(v, color="tab:red", linestyle=style, label=f"p{q} {v:,.0f} ms")
             ax.legend()
         ax.set_title(name)
