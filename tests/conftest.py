@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on the CPU in Triton's interpreter; it is chosen when triton is first
+# imported, so before any test module imports it. (On a GPU machine they run compiled.)
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 49152  # the bundled tokenizer's; tiny models reuse it so text prompts work
 

@@ -31,6 +31,14 @@ def _use_cpu_kernel(backend: str, device: str, dtype: torch.dtype) -> bool:
     return usable and cpu.available()
 
 
+def _use_triton(backend: str, device: str) -> bool:
+    """`triton` insists on the Triton kernels (on a CPU they run under TRITON_INTERPRET=1, for
+    tests); `auto` takes them on a GPU."""
+    if backend == "cuda":
+        raise ValueError("attention_backend 'cuda' is not built: use 'triton' (or 'auto') on a GPU")
+    return backend == "triton" or (backend == "auto" and device == "cuda")
+
+
 def _tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor sharing the array's memory; a copy when the array is read-only (a plan that came
     through Ray arrives in read-only buffers, which torch must not alias)."""
@@ -59,7 +67,11 @@ class Worker:
         # from the CPU cache, not DRAM.
         token_bytes = self.cache_spec.block_bytes // (self.cache_spec.num_layers * config.block_size)
         self._max_gather_tokens = max(config.block_size, GATHER_BYTES // token_bytes)
-        self._cpu_decode_kernel = _use_cpu_kernel(config.attention_backend, self.device, self.dtype)
+        self._triton = _use_triton(config.attention_backend, self.device)
+        if self._triton:
+            import kernels.triton  # noqa: F401  (fails here, clearly, when triton is missing)
+        self._cpu_decode_kernel = not self._triton and _use_cpu_kernel(config.attention_backend, self.device,
+                                                                        self.dtype)
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
@@ -130,11 +142,17 @@ class Worker:
         self.sampler.drop(plan.finished_seq_ids)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
-        meta = kernels.build_attention_metadata(
-            _tensor(plan.query_lens), _tensor(plan.context_lens),
-            _tensor(plan.block_tables), _tensor(plan.slot_mapping),
-            self.config.block_size, self._max_gather_tokens, self._cpu_decode_kernel)
-        meta.workspace = self._workspace(meta.max_gathered_blocks)
+        if self._triton:
+            from kernels import triton as triton_kernels
+
+            meta = triton_kernels.build_metadata(_tensor(plan.query_lens), _tensor(plan.context_lens),
+                                                 _tensor(plan.block_tables), _tensor(plan.slot_mapping), self.device)
+        else:
+            meta = kernels.build_attention_metadata(
+                _tensor(plan.query_lens), _tensor(plan.context_lens),
+                _tensor(plan.block_tables), _tensor(plan.slot_mapping),
+                self.config.block_size, self._max_gather_tokens, self._cpu_decode_kernel)
+            meta.workspace = self._workspace(meta.max_gathered_blocks)
         hidden = self.model(_tensor(plan.input_ids), _tensor(plan.positions),
                             self.kv_cache, meta)
         prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprobs else {}

@@ -1,0 +1,229 @@
+"""Paged attention in Triton: a tiled kernel for prefill chunks (over their cached context), and a
+split-K kernel for decodes, whose long contexts are cut into splits that run in parallel and are
+combined afterwards (flash-decoding).
+
+Every kernel reads K/V straight from the paged cache, one token tile at a time, looking up each
+token's block in the block table (so any block size works with tiles of 16+ tokens, as
+`tl.dot` needs); softmax is online (running max and sum) in fp32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.write_kv import write_kv as _write_kv
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+PREFILL_BLOCK_M = 16  # query rows per program
+BLOCK_N = 32  # context tokens per iteration
+SPLIT_MIN_TOKENS = 512  # a decode split covers at least this much context
+MAX_SPLITS = 16
+TARGET_PROGRAMS = 256  # ~2 waves of an H200's 132 SMs: below it, decodes split their context
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, out_ptr, tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
+                    scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_block, stride_kv, stride_slot, stride_head, stride_table,
+                    REP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DOT_IN_FP32: tl.constexpr):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_len = tl.load(query_lens_ptr + seq)
+    if tile * BLOCK_M < q_len:
+        ctx = tl.load(context_lens_ptr + seq)
+        first = tl.load(query_start_ptr + seq).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = ctx - q_len + rows  # each query row's position in its sequence
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + (first + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_IN_FP32:
+            q = q.to(tl.float32)
+        kv_head = head // REP
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
+        end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # causal: up to the tile's last row
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            block = tl.load(tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            k_ptrs = (cache_ptr + block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot
+                      + kv_head * stride_head + d[None, :])
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)
+            if DOT_IN_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            qk = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (first + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows_ptr, context_lens_ptr,
+                   scale, stride_qt, stride_qh, stride_block, stride_kv, stride_slot, stride_head, stride_table,
+                   NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (decode, KV head, split): the REP query heads sharing the KV head read its
+    context once. Writes its unnormalized output and (max, sum) for the combine."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + i)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
+    r = tl.arange(0, REP_PAD)
+    r_ok = r < REP
+    heads = kv_head * REP + r
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([REP_PAD], 0.0, tl.float32)
+    acc = tl.full([REP_PAD, D_PAD], 0.0, tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        block = tl.load(tables_ptr + i * stride_table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        k_ptrs = (cache_ptr + block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot
+                  + kv_head * stride_head + d[None, :])
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0).to(tl.float32)
+        qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [REP_PAD, BLOCK_N]
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    # part_acc [decodes, heads, splits, HEAD_DIM]; part_ml [decodes, heads, splits, 2]
+    slot = (i * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(part_ml_ptr + slot * 2, m_i, mask=r_ok)
+    tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=r_ok)
+
+
+@dataclass
+class TritonMetadata:
+    """One step's inputs on the device, for every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    prefill_query_start: torch.Tensor  # [P] int32, flat index of each prefill's first query
+    prefill_query_lens: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    max_prefill_query_len: int
+    decode_rows: torch.Tensor  # [D] int64, flat index of each decode's query
+    decode_context_lens: torch.Tensor  # [D] int32
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int32
+    max_decode_context: int
+    num_splits: int | None = None  # decodes' split-K factor; None: chosen per launch
+
+    def write_kv(self, key, value, kv_cache) -> None:
+        _write_kv(key, value, kv_cache, self.slot_mapping)
+
+    def paged_attention(self, query, kv_cache, scale: float) -> torch.Tensor:
+        return paged_attention(query, kv_cache, self, scale)
+
+
+def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                   slot_mapping: torch.Tensor, device, num_splits: int | None = None) -> TritonMetadata:
+    """From a step plan's arrays (CPU tensors): split its sequences into prefills and decodes."""
+    query_lens = query_lens.long()
+    starts = torch.zeros_like(query_lens)
+    starts[1:] = torch.cumsum(query_lens, 0)[:-1]
+    is_decode = query_lens == 1
+    pre, dec = (~is_decode).nonzero().flatten(), is_decode.nonzero().flatten()
+
+    def to(t, dtype):
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    return TritonMetadata(
+        slot_mapping=to(slot_mapping, torch.int64),
+        prefill_query_start=to(starts[pre], torch.int32), prefill_query_lens=to(query_lens[pre], torch.int32),
+        prefill_context_lens=to(context_lens[pre], torch.int32), prefill_block_tables=to(block_tables[pre], torch.int32),
+        max_prefill_query_len=int(query_lens[pre].max()) if len(pre) else 0,
+        decode_rows=to(starts[dec], torch.int64), decode_context_lens=to(context_lens[dec], torch.int32),
+        decode_block_tables=to(block_tables[dec], torch.int32),
+        max_decode_context=int(context_lens[dec].max()) if len(dec) else 0,
+        num_splits=num_splits)
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_context: int) -> int:
+    """Split long contexts only while the grid is too small to fill the GPU."""
+    programs = num_decodes * num_kv_heads
+    if programs >= TARGET_PROGRAMS:
+        return 1
+    by_length = max(1, max_context // SPLIT_MIN_TOKENS)
+    return max(1, min(MAX_SPLITS, by_length, triton.cdiv(TARGET_PROGRAMS, max(programs, 1))))
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMetadata, scale: float) -> torch.Tensor:
+    """query `[T, heads, head_dim]` (K/V of the step already written); returns `[T, heads, head_dim]`."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    rep = num_heads // num_kv_heads
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    out = torch.empty_like(query)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    num_prefills = meta.prefill_query_lens.shape[0]
+    if num_prefills:
+        grid = (num_prefills, triton.cdiv(meta.max_prefill_query_len, PREFILL_BLOCK_M), num_heads)
+        _prefill_kernel[grid](
+            query, kv_cache, out, meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_query_lens,
+            meta.prefill_context_lens, scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            *cache_strides, meta.prefill_block_tables.stride(0),
+            REP=rep, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=PREFILL_BLOCK_M,
+            BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            # Triton's CPU interpreter (3.9) computes tl.dot of bf16 operands wrongly: upcast there.
+            DOT_IN_FP32=query.dtype == torch.bfloat16 and _INTERPRETED)
+    num_decodes = meta.decode_rows.shape[0]
+    if num_decodes:
+        splits = meta.num_splits or choose_num_splits(num_decodes, num_kv_heads, meta.max_decode_context)
+        part_acc = torch.empty((num_decodes, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_decodes, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+        _decode_kernel[(num_decodes, num_kv_heads, splits)](
+            query, kv_cache, part_acc, part_ml, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
+            scale, query.stride(0), query.stride(1), *cache_strides, meta.decode_block_tables.stride(0),
+            NUM_HEADS=num_heads, NUM_SPLITS=splits, REP=rep, REP_PAD=triton.next_power_of_2(rep),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=BLOCK_N)
+        out[meta.decode_rows] = combine_splits(part_acc, part_ml).to(query.dtype)
+    return out
+
+
+def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor) -> torch.Tensor:
+    """Merge the splits' partial softmaxes: weights exp(m_split - m_max); an empty split has
+    m = -inf and weighs nothing. [D, H, S, hd] + [D, H, S, 2] -> [D, H, hd]."""
+    m, l = part_ml[..., 0], part_ml[..., 1]
+    m_max = m.max(dim=-1, keepdim=True).values
+    w = torch.exp(m - m_max)
+    return (part_acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
