@@ -48,6 +48,7 @@ class EngineConfig:
         "help": "fcfs (arrival order) or priority (lower request priority first, with ageing)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode steps (GPU)"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
 
     def __post_init__(self) -> None:

@@ -39,6 +39,12 @@ def _use_triton(backend: str, device: str) -> bool:
     return backend == "triton" or (backend == "auto" and device == "cuda")
 
 
+def _plain_greedy(p) -> bool:
+    """Argmax of the raw logits is this sequence's token: nothing to process, no logprobs."""
+    return (p.temperature == 0.0 and p.num_logprobs < 0 and not p.has_penalties and not p.logit_bias
+            and p.allowed_token_ids is None and not p.banned_token_ids)
+
+
 def _tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor sharing the array's memory; a copy when the array is read-only (a plan that came
     through Ray arrives in read-only buffers, which torch must not alias)."""
@@ -67,7 +73,13 @@ class Worker:
         # from the CPU cache, not DRAM.
         token_bytes = self.cache_spec.block_bytes // (self.cache_spec.num_layers * config.block_size)
         self._max_gather_tokens = max(config.block_size, GATHER_BYTES // token_bytes)
+        self.max_model_len = max_model_len
         self._triton = _use_triton(config.attention_backend, self.device)
+        # CUDA graphs of decode steps: on a GPU, with the Triton kernels, one rank (an all-reduce
+        # inside a graph needs NCCL set up for capture), unless enforce_eager.
+        self._use_graphs = (self.device == "cuda" and self._triton and tp.size == 1
+                            and not config.enforce_eager)
+        self._graphs = None
         if self._triton:
             import kernels.triton  # noqa: F401  (fails here, clearly, when triton is missing)
         self._cpu_decode_kernel = not self._triton and _use_cpu_kernel(config.attention_backend, self.device,
@@ -75,12 +87,51 @@ class Worker:
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
-        if self.device == "cuda":
-            raise NotImplementedError("GPU KV sizing from gpu_memory_utilization comes with the GPU path")
-        return self.cache_spec.num_blocks_for(self.config.kv_cache_memory)
+        """CPU: `kv_cache_memory` bytes. GPU: what `gpu_memory_utilization` leaves after the weights,
+        the largest step's activations and the CUDA graphs, all measured (workers/gpu_memory.py)."""
+        if self.device != "cuda":
+            return self.cache_spec.num_blocks_for(self.config.kv_cache_memory)
+        from workers import gpu_memory
+        from workers.cuda_graphs import graph_batch_sizes
+
+        graph_batch = graph_batch_sizes(self.config.max_num_seqs)[-1] if self._use_graphs else 0
+        found = gpu_memory.profile(self, self.config.max_num_batched_tokens, self.config.max_num_seqs, graph_batch)
+        return gpu_memory.kv_blocks_for(found, self.config.gpu_memory_utilization, self.cache_spec.block_bytes)
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+        if self._use_graphs:
+            from workers.cuda_graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len,
+                                        self.config.block_size)
+
+    def _metadata(self, query_lens, context_lens, block_tables, slot_mapping):
+        """The attention backend's per-step metadata, from CPU tensors."""
+        if self._triton:
+            from kernels import triton as triton_kernels
+
+            return triton_kernels.build_metadata(query_lens, context_lens, block_tables, slot_mapping, self.device)
+        meta = kernels.build_attention_metadata(query_lens, context_lens, block_tables, slot_mapping,
+                                                self.config.block_size, self._max_gather_tokens,
+                                                self._cpu_decode_kernel)
+        meta.workspace = self._workspace(meta.max_gathered_blocks)
+        return meta
+
+    @torch.inference_mode()
+    def dummy_step(self, cache: torch.Tensor, num_seqs: int, query_len: int, logits_rows: int) -> None:
+        """A step of `num_seqs` fresh sequences of `query_len` tokens on a scratch `cache`, and the
+        logits of `logits_rows` rows: the memory profile's largest steps."""
+        bs = self.config.block_size
+        per_seq = -(-query_len // bs)
+        tables = torch.arange(num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq) % cache.shape[0]
+        lens = torch.full((num_seqs,), query_len, dtype=torch.int32)
+        pos = torch.arange(query_len).repeat(num_seqs)
+        slots = (tables.long().repeat_interleave(bs, dim=1)[:, :query_len] * bs + torch.arange(query_len) % bs).flatten()
+        meta = self._metadata(lens, lens, tables, slots)
+        hidden = self.model(pos.to(self.device) % 7, pos.to(self.device), cache, meta)
+        if logits_rows:
+            self.model.compute_logits(hidden[torch.arange(logits_rows, device=self.device) % hidden.shape[0]])
 
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's cache (its KV heads)."""
@@ -109,7 +160,8 @@ class Worker:
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """A gather buffer reused by every layer and step; grows, never shrinks."""
-        need = num_blocks * self.kv_cache[0, 0].numel()
+        spec = self.cache_spec
+        need = num_blocks * 2 * spec.block_size * spec.num_kv_heads * spec.head_dim  # one layer's K and V
         if self._gather_workspace.numel() < need:
             self._gather_workspace = torch.empty(need + need // 4, dtype=self.dtype, device=self.device)
         return self._gather_workspace
@@ -142,27 +194,28 @@ class Worker:
         self.sampler.drop(plan.finished_seq_ids)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
-        if self._triton:
-            from kernels import triton as triton_kernels
-
-            meta = triton_kernels.build_metadata(_tensor(plan.query_lens), _tensor(plan.context_lens),
-                                                 _tensor(plan.block_tables), _tensor(plan.slot_mapping), self.device)
-        else:
-            meta = kernels.build_attention_metadata(
-                _tensor(plan.query_lens), _tensor(plan.context_lens),
-                _tensor(plan.block_tables), _tensor(plan.slot_mapping),
-                self.config.block_size, self._max_gather_tokens, self._cpu_decode_kernel)
-            meta.workspace = self._workspace(meta.max_gathered_blocks)
-        hidden = self.model(_tensor(plan.input_ids), _tensor(plan.positions),
-                            self.kv_cache, meta)
+        input_ids, positions = (_tensor(a).to(self.device, non_blocking=True) for a in (plan.input_ids, plan.positions))
+        hidden = None
+        if self._graphs is not None and not plan.prompt_logprobs and plan.num_tokens == len(plan.query_lens):
+            hidden = self._graphs.run(input_ids, positions, *(_tensor(a).to(self.device, non_blocking=True) for a in (
+                plan.slot_mapping, plan.context_lens, plan.block_tables)))
+        if hidden is None:
+            meta = self._metadata(_tensor(plan.query_lens), _tensor(plan.context_lens), _tensor(plan.block_tables),
+                                  _tensor(plan.slot_mapping))
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         prompt_logprobs = self._prompt_logprobs(hidden, plan) if plan.prompt_logprobs else {}
         if len(plan.sample_indices) == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64), prompt_logprobs=prompt_logprobs)
         # The last token of each sequence that needs logits.
         last_token = np.cumsum(plan.query_lens)[plan.sample_indices] - 1
-        logits = self.model.compute_logits(hidden[torch.from_numpy(last_token)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
         if logits is None:  # not rank 0: the logits went to rank 0
             return StepOutput([], np.zeros(0, dtype=np.int64))
+        if logits.device.type != "cpu":
+            if all(_plain_greedy(p) for p in plan.sampling):  # argmax where the logits are
+                return StepOutput([s.seq_id for s in plan.sampling], logits.argmax(dim=-1).cpu().numpy(),
+                                  prompt_logprobs=prompt_logprobs)
+            logits = logits.float().cpu()  # the sampler's processing runs on the CPU
         tokens, logprobs = self.sampler(logits, plan.sampling)
         return StepOutput([s.seq_id for s in plan.sampling], tokens.numpy(), logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs)

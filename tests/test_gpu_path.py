@@ -1,0 +1,57 @@
+"""The parts of the GPU path a CPU can check: KV sizing arithmetic and its refusal, the CUDA-graph
+batch sizes, the memory profile's dummy steps (run here on the CPU), and backend selection.
+The rest runs on a GPU only: benchmarks/gpu/check.sh."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.config import EngineConfig, resolve_model
+from workers.cuda_graphs import graph_batch_sizes, padded_size
+from workers.gpu_memory import GiB, MemoryProfile, kv_blocks_for
+from workers.step_plan import SeqSampling
+from workers.worker import Worker, _plain_greedy
+
+
+def test_kv_blocks_are_what_utilization_leaves_after_weights_activations_and_graphs():
+    profile = MemoryProfile(total=80 * GiB, weights=16 * GiB, peak_activations=2 * GiB, graphs=GiB)
+    assert kv_blocks_for(profile, 0.9, block_bytes=2 << 20) == (int(80 * GiB * 0.9) - 19 * GiB) // (2 << 20)
+    with pytest.raises(ValueError) as err:
+        kv_blocks_for(profile, 0.2, block_bytes=2 << 20)
+    message = str(err.value)
+    for words in ("gpu_memory_utilization (0.2)", "16.00 of 80.00 GiB", "weights (16.00 GiB)",
+                  "peak activations (2.00 GiB)", "CUDA graphs (1.00 GiB)", "leave -3.00 GiB"):
+        assert words in message
+
+
+def test_graph_batch_sizes_cover_max_num_seqs():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 8]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and sizes == sorted(sizes)
+    assert padded_size(sizes, 3) == 4 and padded_size(sizes, 17) == 32 and padded_size(sizes, 257) is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_memory_profiles_dummy_steps_run_and_write_only_the_scratch_cache(tiny_llama, backend):
+    config = EngineConfig(model=tiny_llama, attention_backend=backend, max_num_batched_tokens=40)
+    worker = Worker(config, resolve_model(tiny_llama), max_model_len=128)
+    scratch = worker.cache_spec.allocate(5, "cpu")
+    worker.dummy_step(scratch, num_seqs=1, query_len=40, logits_rows=8)  # the largest prefill step
+    assert scratch[:3].abs().sum() > 0  # its 40 tokens' K/V went to blocks 0-2
+    worker.dummy_step(scratch, num_seqs=4, query_len=1, logits_rows=0)  # a decode batch
+
+
+def test_argmax_on_the_device_only_for_plain_greedy_rows():
+    greedy = SeqSampling(0, 0.0, 1.0, 0, 0.0, None)
+    assert _plain_greedy(greedy)
+    assert not _plain_greedy(SeqSampling(0, 0.7, 1.0, 0, 0.0, None))
+    assert not _plain_greedy(SeqSampling(0, 0.0, 1.0, 0, 0.0, None, banned_token_ids=(2,)))  # min_tokens
+    assert not _plain_greedy(SeqSampling(0, 0.0, 1.0, 0, 0.0, None, num_logprobs=0))
+    assert not _plain_greedy(SeqSampling(0, 0.0, 1.0, 0, 0.0, None, repetition_penalty=1.2))
+
+
+def test_the_cuda_attention_backend_is_refused_clearly(tiny_llama):
+    config = EngineConfig(model=tiny_llama, attention_backend="cuda")
+    with pytest.raises(ValueError, match="attention_backend 'cuda' is not built"):
+        Worker(config, resolve_model(tiny_llama), max_model_len=128)
