@@ -12,7 +12,7 @@ from pagedserve.bench.dataset import BenchRequest
 from pagedserve.config import resolve_model
 
 
-def load_hf_model(model: str, dtype: torch.dtype):
+def load_hf_model(model: str, dtype: torch.dtype, device: str = "cpu"):
     """The model as transformers loads it (a GGUF dequantized to dense weights, as pagedserve
     loads it) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -21,7 +21,7 @@ def load_hf_model(model: str, dtype: torch.dtype):
     tokenizer = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
     kwargs = {"gguf_file": src.gguf_file, "quantization_config": GgufConfig(dequantize=True)} if src.gguf_file else {}
     hf = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **kwargs)
-    return hf.eval(), tokenizer
+    return hf.to(device).eval(), tokenizer
 
 
 def left_pad(batch: list[BenchRequest], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +35,7 @@ def left_pad(batch: list[BenchRequest], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 def hf_generate(model, batch: list[BenchRequest], pad_id: int) -> list[list[int]]:
-    ids, mask = left_pad(batch, pad_id)
+    ids, mask = (t.to(model.device) for t in left_pad(batch, pad_id))
     new = max(r.max_tokens for r in batch)  # a static batch runs until its longest request is done
     # eos_token_id=None: never stop early, the counterpart of ignore_eos (min_new_tokens would
     # instead ban EOS and change the greedy tokens).
@@ -52,10 +52,10 @@ def batches(requests: list, size: int):
 
 
 def run_transformers(model_name: str, requests: list[BenchRequest], batch_size: int,
-                     dtype: torch.dtype = torch.float32) -> dict:
+                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
     """Seconds and output tokens/s of the whole workload, batch after batch, in request order;
     only each request's own max_tokens count as output."""
-    model, tokenizer = load_hf_model(model_name, dtype)
+    model, tokenizer = load_hf_model(model_name, dtype, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.inference_mode():
         hf_generate(model, [BenchRequest([1, 2, 3], 2), BenchRequest([4, 5], 2)], pad_id)  # first-call costs
@@ -63,6 +63,8 @@ def run_transformers(model_name: str, requests: list[BenchRequest], batch_size: 
         start = time.perf_counter()
         for batch in batches(requests, batch_size):
             outputs += hf_generate(model, batch, pad_id)
+        if device != "cpu":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     del model
     gc.collect()

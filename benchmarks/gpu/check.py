@@ -1,0 +1,265 @@
+"""The GPU device check (run by check.sh): kernels against the torch reference, decode attention
+bandwidth against a device-to-device copy, and the offline workload end to end against
+transformers `generate` on the same GPU, for SmolLM2's shape and Llama-3-8B's (random weights,
+bf16). Prints a short table last and writes details under --out.
+
+`--smoke` runs the same code on a CPU with tiny shapes (Triton under TRITON_INTERPRET=1), to check
+the script itself where no GPU is at hand; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kernels  # noqa: E402
+from pagedserve.bench.dataset import BenchRequest  # noqa: E402
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab, rope theta)
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 100000.0),
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
+    "tiny": (64, 128, 2, 4, 2, 512, 10000.0),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="/tmp/pagedserve-gpu-check")
+    p.add_argument("--quick", action="store_true", help="kernels and decode timing only")
+    p.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shaped end-to-end run")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script")
+    return p.parse_args(argv)
+
+
+# ---- 1. kernels against the reference ----------------------------------------------------------
+def _step(query_lens, context_lens, block_size, num_blocks, gen):
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(-(-c // block_size) for c in context_lens)
+    tables = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
+    used, slots = 0, []
+    for s, (q, c) in enumerate(zip(query_lens, context_lens)):
+        n = -(-c // block_size)
+        tables[s, :n] = perm[used:used + n]
+        used += n
+        slots += [int(tables[s, pos // block_size]) * block_size + pos % block_size for pos in range(c - q, c)]
+    return tables, torch.tensor(slots, dtype=torch.int64), used
+
+
+def check_kernels(device: str, smoke: bool) -> list[dict]:
+    from kernels import triton as tk
+
+    heads, kv_heads, head_dim = (4, 2, 16) if smoke else (32, 8, 128)
+    if smoke:
+        query_lens, context_lens = [7, 5, 1, 1], [7, 30, 20, 45]
+    else:  # a fresh prefill, chunks over cached context, short and long decodes (split-K)
+        query_lens = [300, 128, 64] + [1] * 48
+        context_lens = [300, 1000, 2100] + [random.Random(i).randint(16, 9000) for i in range(48)]
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for block_size in (8, 16, 32):
+            num_blocks = sum(-(-c // block_size) for c in context_lens) + 4
+            tables, slots, _ = _step(query_lens, context_lens, block_size, num_blocks, gen)
+            cache = torch.randn((num_blocks, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+            t = sum(query_lens)
+            q = torch.randn((t, heads, head_dim), generator=gen).to(dtype)
+            k, v = (torch.randn((t, kv_heads, head_dim), generator=gen).to(dtype) for _ in range(2))
+            ql, cl = torch.tensor(query_lens, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
+            # The oracle: the torch reference in fp32 on the same values.
+            ref_cache = cache.float().to(device)
+            ref_meta = kernels.build_attention_metadata(ql, cl, tables, slots, block_size)
+            ref_meta.slot_blocks, ref_meta.slot_offsets = ref_meta.slot_blocks.to(device), ref_meta.slot_offsets.to(device)
+            for g in ref_meta.groups:
+                g.token_index = g.token_index.to(device)
+                g.block_tables = None if g.block_tables is None else g.block_tables.to(device)
+                g.mask = None if g.mask is None else g.mask.to(device)
+            kernels.write_kv(k.float().to(device), v.float().to(device), ref_cache, ref_meta)
+            want = kernels.paged_attention(q.float().to(device), k.float().to(device), v.float().to(device),
+                                           ref_cache, ref_meta, head_dim ** -0.5)
+            tri_cache = cache.to(device)
+            meta = tk.build_metadata(ql, cl, tables, slots, device)
+            tk.write_kv(k.to(device), v.to(device), tri_cache, meta.slot_mapping)
+            write_ok = torch.equal(tri_cache.float(), ref_cache.to(tri_cache.dtype).float())
+            rows.append({"kernel": "write_kv", "dtype": str(dtype).split(".")[-1], "block_size": block_size,
+                         "rel_err": 0.0 if write_ok else 1.0, "ok": write_ok})
+            for splits in (None, 1, 4):
+                meta.num_splits = splits
+                got = tk.paged_attention(q.to(device), tri_cache, meta, head_dim ** -0.5).float()
+                err = float((got - want).abs().max() / want.abs().max())
+                ok = err < TOLERANCE[dtype] and not bool(got.isnan().any())
+                rows.append({"kernel": f"paged_attention (splits {splits or 'auto'})", "dtype": str(dtype).split(".")[-1],
+                             "block_size": block_size, "rel_err": err, "ok": ok})
+    return rows
+
+
+# ---- 2. decode attention bandwidth ---------------------------------------------------------------
+def _time(fn, device: str) -> float:
+    """Seconds per call: triton's do_bench on a GPU (median of many), a plain loop on the CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200) / 1000
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - start) / 3
+
+
+def time_decode(device: str, smoke: bool) -> dict:
+    from kernels import triton as tk
+
+    heads, kv_heads, head_dim, block_size = (4, 2, 16, 16) if smoke else (32, 8, 128, 16)
+    batch, context = (4, 64) if smoke else (64, 4096)
+    dtype = torch.bfloat16
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    cache = torch.randn((num_blocks, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device)
+    tables = torch.randperm(num_blocks, device="cpu").view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    meta = tk.build_metadata(torch.ones(batch, dtype=torch.int32), lens, tables,
+                             tables[:, -1].long() * block_size + block_size - 1, device)
+    q = torch.randn((batch, heads, head_dim), dtype=dtype, device=device)
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * cache.element_size()  # K and V read once
+    attn = _time(lambda: tk.paged_attention(q, cache, meta, head_dim ** -0.5), device)
+    src = torch.empty(kv_bytes // 2, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    copy = _time(lambda: dst.copy_(src), device)
+    copy_gb_s = 2 * kv_bytes / copy / 1e9  # a copy reads and writes every byte
+    attn_gb_s = kv_bytes / attn / 1e9
+    return {"batch": batch, "context": context, "kv_bytes": kv_bytes, "attention_ms": attn * 1e3,
+            "attention_gb_s": attn_gb_s, "copy_gb_s": copy_gb_s, "share_of_copy": attn_gb_s / copy_gb_s,
+            "num_splits": tk.attention.choose_num_splits(batch, kv_heads, context)}
+
+
+# ---- 3. end to end against transformers ----------------------------------------------------------
+def make_random_model(shape: str, folder: Path, dtype: torch.dtype, device: str) -> str:
+    """A Llama of the named shape with random weights, and a word-level tokenizer over its whole
+    vocabulary (no hub: the prompts are token ids; the tokenizer only has to decode them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hidden, inter, layers, heads, kv_heads, vocab, theta = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=shape != "llama-3-8b",
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2",
+                            pad_token="w0").save_pretrained(folder)
+    return str(folder)
+
+
+def workload(vocab: int, num: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+            for _ in range(num)]
+
+
+def end_to_end(shape: str, device: str, smoke: bool) -> dict:
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.hf_baseline import run_transformers
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    num, prompt, output, batch = (6, (8, 24), (4, 8), 3) if smoke else (256, (128, 512), (64, 256), 32)
+    requests = workload(SHAPES[shape][5], num, prompt, output)
+    useful = sum(r.max_tokens for r in requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_random_model(shape, Path(tmp), dtype, device)
+        engine = {"device": device, "dtype": "float32" if smoke else "bfloat16"}
+        if not smoke:
+            engine.update(gpu_memory_utilization=0.85, max_num_seqs=256, max_num_batched_tokens=8192)
+        with LLM(path, **engine) as llm:
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4), use_tqdm=False)
+            params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+            ours = time.perf_counter() - start
+            stats = llm.stats()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        hf = run_transformers(path, requests, batch, dtype, device)
+    same = sum(o.outputs[0].token_ids == h for o, h in zip(outs, hf["outputs"]))
+    return {"shape": shape, "requests": num, "output_tokens": useful, "pagedserve_s": ours,
+            "pagedserve_tok_s": useful / ours, "transformers_s": hf["seconds"],
+            "transformers_tok_s": hf["output_token_throughput"], "speedup": hf["seconds"] / ours,
+            "identical_greedy_outputs": same, "kv_blocks_total": stats["kv_blocks_total"],
+            "kv_blocks_peak_used": stats["kv_blocks_peak_used"], "hf_batch": batch}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke on a CPU (TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    print("environment:", env)
+    results = {"environment": env, "kernels": check_kernels(device, args.smoke)}
+    bad = [r for r in results["kernels"] if not r["ok"]]
+    worst = {}
+    for r in results["kernels"]:
+        key = (r["kernel"].split(" ")[0], r["dtype"])
+        worst[key] = max(worst.get(key, 0.0), r["rel_err"])
+    results["decode"] = decode = time_decode(device, args.smoke)
+    (out / "details.json").write_text(json.dumps(results, indent=2))
+    if not args.quick:
+        shapes = ["tiny"] if args.smoke else ["smollm2-135m"] + ([] if args.skip_8b else ["llama-3-8b"])
+        results["end_to_end"] = []
+        for shape in shapes:
+            results["end_to_end"].append(end_to_end(shape, device, args.smoke))
+            (out / "details.json").write_text(json.dumps(results, indent=2))
+            print("end to end:", results["end_to_end"][-1])
+    print()
+    print("| check | figure | target |")
+    print("|---|---|---|")
+    for (kernel, dtype), err in sorted(worst.items()):
+        target = TOLERANCE[getattr(torch, dtype)]
+        print(f"| {kernel} {dtype} (block 8/16/32) | max relative error {err:.2e} | < {target:g} |")
+    print(f"| decode attention, {decode['batch']} x {decode['context']} tokens, bf16 | {decode['attention_gb_s']:.0f} GB/s "
+          f"= {100 * decode['share_of_copy']:.0f}% of copy ({decode['copy_gb_s']:.0f} GB/s) | >= 70% |")
+    for e in results.get("end_to_end", []):
+        print(f"| {e['shape']} end to end, {e['requests']} req | {e['pagedserve_tok_s']:.0f} vs {e['transformers_tok_s']:.0f} "
+              f"output tok/s = {e['speedup']:.1f}x ({e['identical_greedy_outputs']}/{e['requests']} same) | >= 10x |")
+    print(f"\nkernel checks failed: {len(bad)} of {len(results['kernels'])}; details: {out / 'details.json'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
