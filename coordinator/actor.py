@@ -22,6 +22,7 @@ import ray
 from pagedserve.config import EngineConfig
 
 ACTOR_NAME = "pagedserve-coordinator"
+DEFAULT_METRICS_PORT = 9400
 NAMESPACE = "pagedserve"
 
 
@@ -42,10 +43,12 @@ class CoordinatorActor:
     async def start(self, config: dict, host: str = "127.0.0.1", port: int = 50051,
                     max_queued_requests: int = 1024, api_key: str | None = None,
                     tls_cert: bytes | None = None, tls_key: bytes | None = None, wait: bool = True,
-                    metrics_host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
-        """Bind the gRPC server (and the Prometheus endpoint on metrics_host:metrics_port unless
-        the port is None; 0 picks a free one), then load the model and start the engine loop;
-        returns the bound gRPC port. TLS takes the PEM bytes of a certificate chain and its key."""
+                    metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+                    default_metrics: bool = False) -> int:
+        """Bind the gRPC server and the Prometheus endpoint on metrics_host:metrics_port (0 picks a
+        free port; None and `default_metrics`: DEFAULT_METRICS_PORT, or a free port when that one
+        is taken; None alone: no endpoint), then load the model and start the engine loop; returns
+        the bound gRPC port. TLS takes the PEM bytes of a certificate chain and its key."""
         from coordinator.grpc_server import ServingServer
 
         if self._server is not None:
@@ -63,6 +66,11 @@ class CoordinatorActor:
                       "auth": bool(api_key)}
         if metrics_port is not None:
             self._start_metrics(engine_config.model, metrics_host, metrics_port)
+        elif default_metrics:
+            try:
+                self._start_metrics(engine_config.model, metrics_host, DEFAULT_METRICS_PORT)
+            except OSError:  # another server on this machine has it: any free port (status says which)
+                self._start_metrics(engine_config.model, metrics_host, 0)
         self._load = asyncio.get_running_loop().create_task(self._load_engine(engine_config, max_queued_requests))
         self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
         if wait:
@@ -75,11 +83,7 @@ class CoordinatorActor:
         collector = PagedserveCollector(
             model, lambda: self._engine.engine if self._engine is not None else None,
             lambda: dict(self._server.rejected))
-        try:
-            self._metrics = MetricsServer(collector, host, port)
-        except OSError:
-            asyncio.get_running_loop().create_task(self._server.stop(grace=0))
-            raise
+        self._metrics = MetricsServer(collector, host, port)
         self._info["metrics_port"] = self._metrics.port
 
     async def _load_engine(self, config: EngineConfig, max_queued_requests: int) -> None:

@@ -202,11 +202,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state; every block of every sample comes back at once."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        self.metrics.finished["abort"] += 1
+        self.metrics.finished["abort"] += 1  # before it leaves `requests` (see _process)
         self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - req.first.arrival_time)
+        del self.requests[request_id]
         req.seq.fork_ids = []
         for c in req.completions:
             if not c.seq.status.finished:
@@ -283,15 +284,15 @@ class LLMEngine:
         for req in touched.values():
             if req.beam is not None:
                 self._advance_beams(req)
-            if req.finished:
-                del self.requests[req.request_id]
             out = req.output()
-            if out is not None:
-                outputs.append(out)
             if req.finished:
+                # Counted before it leaves `requests`: a scrape between the two never misses it.
                 reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
                 self.metrics.finished[reason or "abort"] += 1
                 self.metrics.observe("e2e_request_latency_seconds", now - req.first.arrival_time)
+                del self.requests[req.request_id]
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:

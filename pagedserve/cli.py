@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", default=None, help="PEM private key file of --tls-cert")
     serve.add_argument("--metrics-host", default="127.0.0.1",
                        help="interface of the Prometheus endpoint /metrics (default: %(default)s)")
-    serve.add_argument("--metrics-port", type=int, default=9400,
-                       help="port of the Prometheus endpoint; 0 picks a free one (default: %(default)s)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="port of the Prometheus endpoint; 0 picks a free one (default: 9400, or a free "
+                            "port, printed, when 9400 is taken)")
     serve.add_argument("--no-metrics", action="store_true", help="serve no Prometheus endpoint")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")

@@ -139,7 +139,8 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         try:
             metrics_port = None if args.no_metrics else args.metrics_port
             port = ray.get(actor.start.remote(config_dict(config), args.host, args.port, args.max_queued_requests,
-                                              api_key, cert, key, False, args.metrics_host, metrics_port))
+                                              api_key, cert, key, False, args.metrics_host, metrics_port,
+                                              metrics_port is None and not args.no_metrics))
             _err(f"bound {_hostport(args.host, port)}; health says NOT_SERVING until the model is loaded")
             ray.get(actor.wait_ready.remote())
         except ray.exceptions.RayError as e:
