@@ -231,22 +231,30 @@ class GrpcSwapSpace:
             return
         check_device_blocks([d for d, _ in pairs], self._kv_bytes.shape[0])
         self.layout.check([c for _, c in pairs], self.rank)
-        self._put(_chunks(self.rank, ((c, self._kv_bytes[d].numpy()) for d, c in pairs)))
+        self._put(_chunks(self.rank, ((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs)))  # GPU: staged
 
     def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
         if not pairs:
             return
         check_device_blocks([d for _, d in pairs], self._kv_bytes.shape[0])
         target = {c: d for c, d in pairs}
+        on_gpu = self._kv_bytes.is_cuda
+        # On a GPU each block is assembled in host memory, then copied over whole.
+        rows = {c: (np.empty(self._kv_bytes.shape[1], np.uint8) if on_gpu else self._kv_bytes[d].numpy())
+                for c, d in pairs}
         manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank, "release": release})
         for raw in self._get(kvstore_pb2.GetRequest(manifest=manifest)):
             header, data = decode_chunk(raw)
             data = np.frombuffer(data, dtype=np.uint8)
             start = 0
             for block, offset, length in msgpack.unpackb(header)["pieces"]:
-                row = self._kv_bytes[target[block]].numpy()
-                row[offset:offset + length] = data[start:start + length]
+                rows[block][offset:offset + length] = data[start:start + length]
                 start += length
+        if on_gpu:
+            import torch
+
+            for c, d in target.items():
+                self._kv_bytes[d].copy_(torch.from_numpy(rows[c]))
 
     def close(self) -> None:
         self._channel.close()

@@ -55,6 +55,22 @@ class SwapSpace:
         self.layout, self.rank = layout, rank
         self._shm, self.valid, data = attach(layout)
         self._data = torch.from_numpy(data[:, rank])  # [num_cpu_blocks, block_bytes], strided
+        self._gpu = None
+        if kv_cache.is_cuda:  # page-locked segment, copies on a side stream (workers/cuda_transfer.py)
+            from workers.cuda_transfer import PinnedTransfers
+
+            self._gpu = PinnedTransfers(data)
+
+    def _copies(self):
+        """Where the block copies run: a side CUDA stream on a GPU, inline on a CPU."""
+        import contextlib
+
+        return self._gpu if self._gpu is not None else contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Wait until this step's copies are done (a GPU's are asynchronous)."""
+        if self._gpu is not None:
+            self._gpu.finish()
 
     def _ids(self, pairs, device_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         device = [p[0] if device_first else p[1] for p in pairs]
@@ -69,9 +85,10 @@ class SwapSpace:
             device, cpu = self._ids(pairs, device_first=True)
             # One contiguous slab per block: copy_ runs at memcpy speed, where an indexed
             # gather/scatter of bytes would crawl.
-            for d, c in zip(device.tolist(), cpu.tolist()):
-                self._data[c].copy_(self._kv_bytes[d])
-            self.valid[cpu.numpy(), self.rank] = 1
+            with self._copies():
+                for d, c in zip(device.tolist(), cpu.tolist()):
+                    self._data[c].copy_(self._kv_bytes[d], non_blocking=True)
+            self.valid[cpu.numpy(), self.rank] = 1  # the step's finish() precedes any reader
 
     def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
         """(cpu block, device block) pairs: read this rank's shards back, and release them unless
@@ -80,13 +97,17 @@ class SwapSpace:
             device, cpu = self._ids(pairs, device_first=False)
             if not self.valid[cpu.numpy(), self.rank].all():
                 raise RuntimeError("swap-in of a CPU block this rank never wrote")
-            for d, c in zip(device.tolist(), cpu.tolist()):
-                self._kv_bytes[d].copy_(self._data[c])
+            with self._copies():
+                for d, c in zip(device.tolist(), cpu.tolist()):
+                    self._kv_bytes[d].copy_(self._data[c], non_blocking=True)
             if release:
                 self.valid[cpu.numpy(), self.rank] = 0
 
     def close(self) -> None:
         """Unmap the segment (the store owns and unlinks it)."""
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
         self._data = self._kv_bytes = self.valid = None
         try:
             self._shm.close()

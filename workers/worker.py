@@ -170,6 +170,12 @@ class Worker:
         start = time.perf_counter()
         transfer_seconds = self._transfer(plan)
         output = self._execute(plan)
+        if plan.swap_out or plan.swap_in or plan.load:
+            finish = getattr(self.swap_space, "finish", None)
+            if finish is not None:  # a GPU's copies ran beside the forward pass: wait for them
+                waited = time.perf_counter()
+                finish()
+                transfer_seconds += time.perf_counter() - waited
         output.worker_seconds = time.perf_counter() - start
         output.swap_seconds = transfer_seconds if plan.swap_out or plan.swap_in or plan.load else 0.0
         return output
