@@ -234,8 +234,10 @@ class LLMEngine:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         plan = build_step_plan(sched, self.config.block_size, finished, self.eos_token_ids)
         start = time.perf_counter()
-        output = self.executor.execute(plan)
-        self.scheduler.end_step()
+        try:
+            output = self.executor.execute(plan)
+        finally:
+            self.scheduler.end_step()  # the CPU blocks the step held, whatever happened
         self.execute_seconds += time.perf_counter() - start
         self.worker_seconds += output.worker_seconds
         self.num_steps += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 _INT_BYTES = 28  # a block id as a Python int object (counted as if none were shared)
@@ -12,7 +13,7 @@ def _percentile_us(samples_ns, q: float) -> float:
     if not samples_ns:
         return 0.0
     ordered = sorted(samples_ns)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] / 1000.0  # nearest rank
 
 
 def request_states(engine) -> dict[str, int]:
@@ -23,6 +24,8 @@ def request_states(engine) -> dict[str, int]:
     counts = {"running": 0, "waiting": 0, "swapped": 0}
     for req in list(engine.requests.values()):
         states = {c.seq.status for c in req.completions}
+        if all(s.finished for s in states) and not req.seq.fork_ids:
+            continue  # counted as finished already, about to leave the table
         if SequenceStatus.RUNNING in states:
             counts["running"] += 1
         elif SequenceStatus.SWAPPED in states:
@@ -49,6 +52,7 @@ def kv_metadata_bytes(engine) -> int:
 
 def engine_stats(engine) -> dict:
     kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
+    cpu = sched.cpu  # read once: a store restart may replace it meanwhile (a scrape's thread)
     requests = request_states(engine)
     return {
         "kv_blocks_total": pool.num_blocks,
@@ -76,7 +80,7 @@ def engine_stats(engine) -> dict:
         "kv_blocks_free": pool.num_free,
         "kv_pool_bytes": engine.kv_pool_bytes,
         "kv_metadata_bytes": kv_metadata_bytes(engine),
-        "cpu_kv_usage": sched.cpu.num_used / sched.cpu.num_blocks if sched.cpu else 0.0,
+        "cpu_kv_usage": cpu.num_used / cpu.num_blocks if cpu else 0.0,
         "num_swap_preemptions": sched.num_swap_preemptions,
         "num_recompute_preemptions": sched.num_preemptions - sched.num_swap_preemptions,
         "num_steps": engine.num_steps,
@@ -84,9 +88,9 @@ def engine_stats(engine) -> dict:
         "swap_in_blocks": sched.swap_in_blocks,
         "swap_out_bytes": sched.swap_out_blocks * engine.swap_block_bytes,
         "swap_in_bytes": sched.swap_in_blocks * engine.swap_block_bytes,
-        "cpu_blocks_total": sched.cpu.num_blocks if sched.cpu else 0,
-        "cpu_blocks_used": sched.cpu.num_used if sched.cpu else 0,
-        "cpu_blocks_cached": sched.cpu.num_cached if sched.cpu else 0,  # CPU prefix tier (free too)
+        "cpu_blocks_total": cpu.num_blocks if cpu else 0,
+        "cpu_blocks_used": cpu.num_used if cpu else 0,
+        "cpu_blocks_cached": cpu.num_cached if cpu else 0,  # CPU prefix tier (free too)
         "kv_store_restarts": engine.kv_store_restarts,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (

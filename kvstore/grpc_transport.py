@@ -125,8 +125,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     block, offset, length = self._check_piece(rank, piece)
                     if start + length > len(data):
                         raise ValueError("a chunk's pieces are longer than its data")
-                    if (block, rank) in received and offset == 0:
-                        raise ValueError(f"shard of block {block} (rank {rank}) sent twice")
+                    # Each shard's pieces come in order and back to back (as _chunks sends them):
+                    # no overlap, no gap, nothing past the shard, so memory stays bounded too.
+                    if offset != received.get((block, rank), 0):
+                        raise ValueError(f"shard of block {block} (rank {rank}): piece at byte {offset}, "
+                                         f"expected {received.get((block, rank), 0)} (pieces in order, once)")
                     writes.append((block, rank, offset, data, start, length))
                     received[block, rank] = received.get((block, rank), 0) + length
                     start += length
@@ -151,6 +154,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             release = manifest.get("release", True)  # False: the CPU prefix tier keeps the block
             if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
                 raise ValueError("blocks must be a list of integers")
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise ValueError("rank must be an integer")
             if not isinstance(release, bool):
                 raise ValueError("release must be a boolean")
             self.layout.check(blocks, rank)

@@ -232,7 +232,11 @@ def test_store_chunks_are_protobuf_wire_bytes_and_malformed_ones_are_refused():
         one = msgpack.packb({"rank": 0, "pieces": [[1, 0, 64]]})
         with pytest.raises(grpc.RpcError) as err:
             put(iter([encode_chunk(one, [b"q" * 64]), encode_chunk(one, [b"r" * 64])]))
-        assert "sent twice" in err.value.details()
+        assert "expected 64 (pieces in order, once)" in err.value.details()
+        overlapping = msgpack.packb({"rank": 0, "pieces": [[1, 0, 32], [1, 0, 32]]})
+        with pytest.raises(grpc.RpcError) as err:
+            put(iter([encode_chunk(overlapping, [b"q" * 64])]))
+        assert "piece at byte 0, expected 32" in err.value.details()
         assert put(iter([encode_chunk(one, [b"q" * 64])])).blocks == 1
         # A CPU prefix-tier read keeps the block valid; a swap-in releases it.
         get = channel.unary_stream("/pagedserve.v1.KVStore/GetBlocks",

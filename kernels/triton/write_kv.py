@@ -13,7 +13,7 @@ import triton.language as tl
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_key, stride_value,
                      stride_block, stride_kv, stride_slot,
                      BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride may pass 2**31
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // BLOCK_SIZE

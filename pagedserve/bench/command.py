@@ -111,7 +111,8 @@ def run_bench(args, api_key: str | None) -> int:
         from workers.model_loader import resolve_dtype
 
         print("running the transformers baseline ...", file=sys.stderr)
-        baseline = run_transformers(args.model, requests, args.baseline_batch_size, resolve_dtype(args.dtype, "cpu"))
+        baseline = run_transformers(args.model, requests, args.baseline_batch_size,
+                                    resolve_dtype(args.dtype, args.device), args.device)
         baseline["speedup"] = summary["output_token_throughput"] / baseline["output_token_throughput"]
         outputs = baseline.pop("outputs")
         if args.temperature == 0:  # greedy both: a sanity check of the comparison
