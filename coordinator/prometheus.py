@@ -98,6 +98,9 @@ class PagedserveCollector:
                         "cpu": s["cpu_prefix_cache_hits"]})
         yield labelled(CounterMetricFamily, "preemptions", "Preemptions, by mode", "mode",
                        {"swap": s["num_swap_preemptions"], "recompute": s["num_recompute_preemptions"]})
+        yield labelled(CounterMetricFamily, "cpu_tier_blocks", "Blocks moved by the prefix cache's CPU tier "
+                       "(saved before eviction, loaded on a hit); swapped_*_bytes count preemption swaps", "direction",
+                       {"saved": s["cpu_prefix_cache_saved_blocks"], "loaded": s["cpu_prefix_cache_loaded_blocks"]})
         yield counter("swapped_out_bytes", "Bytes swapped out to the KV store", s["swap_out_bytes"])
         yield counter("swapped_in_bytes", "Bytes swapped in from the KV store", s["swap_in_bytes"])
         yield labelled(CounterMetricFamily, "requests_finished", "Requests finished, by reason", "reason",

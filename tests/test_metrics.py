@@ -33,6 +33,7 @@ EXPECTED_TYPES = {
     "pagedserve_prefix_cache_hits": "counter",
     "pagedserve_prompt_tokens_cached": "counter",
     "pagedserve_preemptions": "counter",
+    "pagedserve_cpu_tier_blocks": "counter",
     "pagedserve_swapped_out_bytes": "counter",
     "pagedserve_swapped_in_bytes": "counter",
     "pagedserve_requests_finished": "counter",
