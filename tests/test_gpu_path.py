@@ -51,10 +51,13 @@ def test_argmax_on_the_device_only_for_plain_greedy_rows():
     assert not _plain_greedy(SeqSampling(0, 0.0, 1.0, 0, 0.0, None, repetition_penalty=1.2))
 
 
-def test_the_cuda_attention_backend_is_refused_clearly(tiny_llama):
+def test_unusable_attention_backends_are_refused_clearly(tiny_llama, monkeypatch):
     config = EngineConfig(model=tiny_llama, attention_backend="cuda")
     with pytest.raises(ValueError, match="attention_backend 'cuda' is not built"):
         Worker(config, resolve_model(tiny_llama), max_model_len=128)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs device cuda"):
+        Worker(config.replace(attention_backend="triton"), resolve_model(tiny_llama), max_model_len=128)
 
 
 def test_the_cpu_path_runs_without_triton_or_cupy(tiny_llama):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -36,6 +37,9 @@ def _use_triton(backend: str, device: str) -> bool:
     tests); `auto` takes them on a GPU."""
     if backend == "cuda":
         raise ValueError("attention_backend 'cuda' is not built: use 'triton' (or 'auto') on a GPU")
+    if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend 'triton' needs device cuda (on a CPU it runs only in Triton's "
+                         "interpreter, TRITON_INTERPRET=1, for tests): use 'auto' or 'torch'")
     return backend == "triton" or (backend == "auto" and device == "cuda")
 
 
