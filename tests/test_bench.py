@@ -110,6 +110,11 @@ def test_bench_against_a_running_server_writes_the_table_json_and_plots(server, 
     for name in ("kv_usage_over_time.png", "latency_distributions.png"):
         png = (plots / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert s["peak_kv_usage_engine"] is not None  # the engine's peak rose during this run
+    # A smaller second run on the same server: the engine's lifetime peak is not this run's.
+    assert main(["bench", "--target", server, "--model", tiny_llama, "--num-prompts", "1", "--input-len", "8",
+                 "--output-len", "2", "--result-json", str(out_json), "--no-progress"]) == 0
+    assert json.loads(out_json.read_text())["summary"]["peak_kv_usage_engine"] is None
 
 
 def test_bench_refuses_bad_flags_naming_them(tiny_llama, capsys):

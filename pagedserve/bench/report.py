@@ -44,9 +44,11 @@ def summarize(run: RunResult) -> dict:
         "swap_preemptions": int(delta("num_swap_preemptions")),
         "prefix_cache_hit_rate": delta("prefix_cache_hits") / queries if queries else 0.0,
         "cpu_prefix_cache_hit_tokens": int(delta("cpu_prefix_cache_hits")),
-        # The polled peak, and the engine's own (blocks, read every step) when it rose in this run.
+        # The polled peak, and the engine's own (blocks, read every step) when it rose in this run:
+        # the engine keeps one peak for its lifetime, so an earlier, higher one says nothing here.
         "peak_kv_usage": max(usage, default=0.0),
-        "peak_kv_usage_engine": after.get("kv_blocks_peak_used", 0.0) / max(after.get("kv_blocks_total", 1.0), 1.0),
+        "peak_kv_usage_engine": (after.get("kv_blocks_peak_used", 0.0) / max(after.get("kv_blocks_total", 1.0), 1.0)
+                                 if delta("kv_blocks_peak_used") > 0 else None),
         "block_allocation_latency_us_p99": after.get("alloc_latency_us_p99", 0.0),
         # Block tables, hashes and allocator state at their polled peak, over the KV pool's bytes.
         "peak_kv_metadata_share": max((p["kv_metadata_bytes"] for p in run.timeline), default=0.0)
@@ -75,7 +77,8 @@ def format_table(s: dict, baseline: dict | None = None) -> str:
         ("preemptions (of which swaps)", f"{s['preemptions']} ({s['swap_preemptions']})"),
         ("prefix cache hit rate", f"{100 * s['prefix_cache_hit_rate']:.1f}%"
          + (f" ({s['cpu_prefix_cache_hit_tokens']} tokens from the CPU tier)" if s["cpu_prefix_cache_hit_tokens"] else "")),
-        ("peak KV usage", f"{100 * s['peak_kv_usage']:.1f}% (engine peak {100 * s['peak_kv_usage_engine']:.1f}%)"),
+        ("peak KV usage", f"{100 * s['peak_kv_usage']:.1f}%" + (
+            f" (engine peak {100 * s['peak_kv_usage_engine']:.1f}%)" if s["peak_kv_usage_engine"] is not None else "")),
         ("block allocation p99", f"{s['block_allocation_latency_us_p99']:.2f} us"),
         ("block tables + allocator / KV pool", f"{100 * s['peak_kv_metadata_share']:.3f}% at peak"),
     ]

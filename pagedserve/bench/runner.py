@@ -126,11 +126,14 @@ async def run_workload(target: str, requests: list[BenchRequest], request_rate: 
                 await _one(client, requests[i], results[i], start, temperature)
             bar.update(1)
 
-        await asyncio.gather(*(send(i, at) for i, at in enumerate(arrival_times(len(requests), request_rate, seed))))
-        duration = time.perf_counter() - start
-        stop.set()
-        await polling
-        bar.close()
+        try:
+            await asyncio.gather(*(send(i, at) for i, at in
+                                   enumerate(arrival_times(len(requests), request_rate, seed))))
+        finally:
+            duration = time.perf_counter() - start
+            stop.set()
+            await polling
+            bar.close()
         stats_after = await poller.stats()
     finally:
         await client.close()
