@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -139,9 +138,7 @@ def main(argv=None) -> None:
     for policy, r in result["priority"].items():
         print(f"  {policy:8s}: TTFT high {r['high_ttft_mean_s']:.2f} s, low {r['low_ttft_mean_s']:.2f} s; "
               f"low-priority finished {r['low_finished']} of {r['low_requests']}")
-    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.result_json).write_text(json.dumps(result, indent=2))
-    print(f"figures: {args.result_json}")
+    workload.write_json(result, args.result_json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import sys
 from pathlib import Path
@@ -145,9 +144,7 @@ def main(argv=None) -> None:
     print(f"  executor overhead per step: served {result['executor_overhead_us_per_step']:.0f} us "
           f"(Ray, {served['steps']} steps), offline {result['offline_executor_overhead_us_per_step']:.0f} us "
           f"(in process)")
-    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.result_json).write_text(json.dumps(result, indent=2))
-    print(f"  figures: {args.result_json}")
+    workload.write_json(result, args.result_json)
 
 
 if __name__ == "__main__":

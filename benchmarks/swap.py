@@ -23,7 +23,6 @@ against recompute on a workload whose KV pool forces preemption; one run, SmolLM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -173,8 +172,9 @@ def prefix_tier_ttft(args, tokenizer) -> dict:
     rest = len(prefix)  # questions and fillers come from text after the prefix
     ask = lambda i: {"prompt_token_ids": prefix + corpus[rest + 40 * i:rest + 40 * i + 24]}  # noqa: E731
     pool = args.prefix_blocks * 2
-    fillers = [{"prompt_token_ids": corpus[rest + 1000 + 700 * i:rest + 1000 + 700 * i + 600]}
-               for i in range(-(-pool * bs // 600) + 1)]  # more than the pool holds
+    length = min(600, pool * bs // 2)  # each filler fits the pool on its own
+    fillers = [{"prompt_token_ids": corpus[rest + 1000 + 700 * i:rest + 1000 + 700 * i + length]}
+               for i in range(-(-pool * bs // length) + 1)]  # more than the pool holds
     one = SamplingParams(temperature=0.0, max_tokens=1)
     rows = {}
     for name, swap_space, evict in (("device hit", 0.0, False), ("cpu tier", args.swap_space, True),
@@ -251,9 +251,7 @@ def main(argv=None) -> None:
                   f"preemptions {r['num_preemptions']}, blocks swapped out {r['swap_out_blocks']}")
         print(f"  swap / recompute: {t['swap_over_recompute']:.3f}; identical outputs {t['identical_outputs']} of "
               f"{t['requests']}")
-    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.result_json).write_text(json.dumps(result, indent=2))
-    print(f"figures: {args.result_json}")
+    workload.write_json(result, args.result_json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import sys
 
+from coordinator.sequence import SequenceStatus
+
 _INT_BYTES = 28  # a block id as a Python int object (counted as if none were shared)
 _HASH_BYTES = sys.getsizeof(b"x" * 16)  # a 16-byte block hash as a bytes object
 
@@ -19,8 +21,6 @@ def _percentile_us(samples_ns, q: float) -> float:
 def request_states(engine) -> dict[str, int]:
     """Requests in flight by state, each counted once: running if any of its sequences runs,
     else swapped if any is swapped out, else waiting."""
-    from coordinator.sequence import SequenceStatus
-
     counts = {"running": 0, "waiting": 0, "swapped": 0}
     for req in list(engine.requests.values()):
         states = {c.seq.status for c in req.completions}

@@ -261,5 +261,8 @@ class GrpcSwapSpace:
             for c, d in target.items():
                 self._kv_bytes[d].copy_(torch.from_numpy(rows[c]))
 
+    def finish(self) -> None:
+        """Every call returns once its data has moved: nothing to wait for (SwapSpace's interface)."""
+
     def close(self) -> None:
         self._channel.close()

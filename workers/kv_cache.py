@@ -6,6 +6,7 @@ Shape: [num_blocks, num_layers, 2 (K, V), block_size, kv_heads_local, head_dim].
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,6 @@ class SwapSpace:
 
     def _copies(self):
         """Where the block copies run: a side CUDA stream on a GPU, inline on a CPU."""
-        import contextlib
-
         return self._gpu if self._gpu is not None else contextlib.nullcontext()
 
     def finish(self) -> None:

@@ -172,16 +172,15 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
+        transfers = bool(plan.swap_out or plan.swap_in or plan.load)
         transfer_seconds = self._transfer(plan)
         output = self._execute(plan)
-        if plan.swap_out or plan.swap_in or plan.load:
-            finish = getattr(self.swap_space, "finish", None)
-            if finish is not None:  # a GPU's copies ran beside the forward pass: wait for them
-                waited = time.perf_counter()
-                finish()
-                transfer_seconds += time.perf_counter() - waited
+        if transfers:  # a GPU's copies ran beside the forward pass: wait for them
+            waited = time.perf_counter()
+            self.swap_space.finish()
+            transfer_seconds += time.perf_counter() - waited
         output.worker_seconds = time.perf_counter() - start
-        output.swap_seconds = transfer_seconds if plan.swap_out or plan.swap_in or plan.load else 0.0
+        output.swap_seconds = transfer_seconds if transfers else 0.0
         return output
 
     def _transfer(self, plan: StepPlan) -> float:
