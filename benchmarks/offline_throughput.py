@@ -164,19 +164,20 @@ def linear_flops_per_token(hf_config) -> tuple[float, float]:
 # ---- pagedserve ----------------------------------------------------------------------------------
 class KVTrace:
     """Per-step KV occupancy, read right after each forward pass: the moment the engine's own
-    peak is taken. Costs two integer reads and a clock read per step."""
+    peak is taken. Costs a pass over the running sequences' table tails per step."""
 
     def __init__(self, engine):
-        self.kv, self.samples = engine.kv, []
+        self.scheduler, self.samples = engine.scheduler, []
         executor = engine.executor
         self._execute = executor.execute
         executor.execute = self._traced
 
     def _traced(self, plan):
         out = self._execute(plan)
-        # The step's new K/V are written now but enter `filled_slots` only when it is processed.
-        filled = self.kv.filled_slots + plan.num_tokens
-        self.samples.append((time.perf_counter(), self.kv.pool.num_used, filled))
+        # The step's new K/V are written now; the sequences count them once the step is processed.
+        kv = self.scheduler.kv
+        filled = kv.num_filled_slots(self.scheduler.running) + plan.num_tokens
+        self.samples.append((time.perf_counter(), kv.pool.num_used, filled))
         return out
 
     def summary(self, block_size: int, start: float) -> dict:
@@ -216,7 +217,7 @@ def run_pagedserve(args, requests: list[Request]) -> dict:
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     for r, toks in zip(requests, outputs):
         assert len(toks) == r.max_tokens, f"ignore_eos broken: {len(toks)} != {r.max_tokens}"
-    block_bytes = llm.engine.executor.worker.cache_spec.block_bytes
+    block_bytes = llm.engine.executor.block_bytes()
     kv = trace.summary(args.block_size, watch.start)
     kv.update(engine_peak_blocks=stats["kv_blocks_peak_used"], pool_blocks=stats["kv_blocks_total"],
               peak_bytes=stats["kv_blocks_peak_used"] * block_bytes,
@@ -329,7 +330,7 @@ def load_tokenizer_and_config():
     its shapes."""
     from transformers import AutoTokenizer
 
-    from workers.model_loader import load_hf_config
+    from workers.model_config import load_hf_config
 
     src = resolve_model(MODEL)
     return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file), load_hf_config(src)

@@ -36,9 +36,9 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 import offline_throughput as workload  # noqa: E402
+from kvstore.shm_transport import ShmSwapSpace  # noqa: E402
 from kvstore.store import KVStore  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from workers.kv_cache import SwapSpace  # noqa: E402
 
 SMOLLM2_BLOCK_SHAPE = (30, 2, 16, 3, 64)  # layers, K/V, tokens, KV heads, head dim
 
@@ -75,7 +75,7 @@ def bandwidth(blocks: int, repeats: int) -> dict:
     total = blocks * block_bytes
     store = KVStore(blocks, 1, block_bytes)
     try:
-        space = SwapSpace(store.layout, 0, cache)
+        space = ShmSwapSpace(store.layout, 0, cache)
         out_pairs = [(b, b) for b in range(blocks)]
         swap_out = best_seconds(lambda: space.swap_out(out_pairs), repeats)
         snapshot = cache.clone()
@@ -139,7 +139,7 @@ def auto_threshold(repeats: int, blocks: int) -> dict:
     block_bytes = cache[0].numel() * cache.element_size()
     store = KVStore(blocks, 1, block_bytes)
     try:
-        space = SwapSpace(store.layout, 0, cache)
+        space = ShmSwapSpace(store.layout, 0, cache)
         round_trip = {}
         for n in (1, blocks):
             pairs = [(b, b) for b in range(n)]

@@ -1,7 +1,8 @@
 """The engine loop for a server: steps run in a worker thread, never on the event loop.
 
-Handlers never touch the engine while a step runs: new requests and aborts are queued and
-applied between steps by the loop task, and each request's outputs come back through its own
+Handlers never touch the engine while a step runs: a request is tokenized and checked by the
+input processor in its own thread (it changes nothing), then new requests and aborts are queued
+and applied between steps by the loop task, and each request's outputs come back through its own
 asyncio queue. A stream that ends early (client cancel, deadline) aborts its request, which
 frees its blocks before the next step.
 """
@@ -33,14 +34,15 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024):
-        self.engine = engine
+    def __init__(self, llm_engine: LLMEngine, max_queued_requests: int = 1024):
+        self.llm_engine = llm_engine
         self.max_queued_requests = max_queued_requests
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-input")
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
@@ -58,10 +60,11 @@ class AsyncEngine:
             except Exception:
                 pass  # the loop had failed: self.error holds it, every stream was told
         self._thread.shutdown(wait=True)
+        self._input_thread.shutdown(wait=True)
 
     @property
     def num_queued(self) -> int:
-        return len(self._adds) + len(self.engine.scheduler.waiting)
+        return len(self._adds) + len(self.llm_engine.scheduler.waiting)
 
     async def wait_stopped(self) -> BaseException | None:
         """Wait until the engine loop ends (stop() or a failure); returns the failure, if any."""
@@ -72,9 +75,11 @@ class AsyncEngine:
         return self.error
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
-                       request_id: str = "", priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. ValueError for bad input and QueueFullError come before any
-        output, with nothing queued."""
+                       request_id: str = "", priority: int = 0, messages: list[dict] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; `messages` (a chat) instead of a prompt renders the model's
+        chat template. ValueError for bad input and QueueFullError come before any output, with
+        nothing queued."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped after a failure: {self.error!r}", request_id,
                                   self.error, in_flight=False)
@@ -83,7 +88,11 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
-        token_ids = self.engine.check_request(prompt, prompt_token_ids, params, priority)
+        token_ids = await asyncio.get_running_loop().run_in_executor(
+            self._input_thread, self.llm_engine.input_processor.process, prompt, prompt_token_ids, params, priority,
+            messages)
+        if request_id in self._streams:  # taken while this one was tokenized
+            raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._adds.append((request_id, token_ids, params, priority))
@@ -109,12 +118,12 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_pending()
-                if not self.engine.has_unfinished_requests():
+                if not self.llm_engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if not (self._adds or self._aborts):
                         await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._thread, self.engine.step)
+                outputs = await loop.run_in_executor(self._thread, self.llm_engine.step)
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
@@ -137,11 +146,11 @@ class AsyncEngine:
         for request_id, token_ids, params, priority in adds:
             if request_id in aborted:
                 continue  # cancelled before it ever reached the engine
-            self.engine.add_request(request_id, None, token_ids, params, priority)
+            self.llm_engine.add_request(request_id, None, token_ids, params, priority)
         for request_id in aborts:
-            self.engine.abort_request(request_id)
+            self.llm_engine.abort_request(request_id)
 
     async def stats(self) -> dict:
-        stats = self.engine.stats()
+        stats = self.llm_engine.stats()
         stats["num_queued"] = self.num_queued
         return stats

@@ -7,15 +7,17 @@ those among the best k that do end become finished hypotheses scored cum / len**
 of which the best k are kept. Search stops when no running beam can beat the worst kept
 hypothesis (the `early_stopping` heuristics below), when every candidate ends, or at max_tokens.
 
-This module only decides; the engine applies a decision to sequences: a beam chosen by several
-candidates forks (sharing its blocks, copy-on-write), a beam chosen by none is freed at once.
+`beam_step` only decides; `advance_beams` applies a decision through the scheduler: a beam chosen
+by several candidates forks (sharing its blocks, copy-on-write), a beam chosen by none is freed
+at once.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from coordinator.sequence import Sequence
+from coordinator.sequence import Sequence, SequenceGroup, SequenceStatus
 from workers.step_plan import TokenLogprobs
 
 
@@ -83,3 +85,35 @@ def beam_step(state: BeamState, beams: list[Sequence], logprobs: dict[int, Token
     full = state.early_stopping is True and len(state.hypotheses) == k
     state.done = not state.improvable or full or all(ends)
     return BeamStep([] if state.done else running, state.done)
+
+
+def advance_beams(scheduler, group: SequenceGroup, eos_token_ids: frozenset[int], max_model_len: int) -> int:
+    """Once every running beam of `group` has its candidates, take one beam-search step: beams
+    chosen twice or more fork, beams chosen by none are freed at once. Returns the tokens added."""
+    beams = group.seqs
+    pending = group.pending_beam_logprobs
+    if any(b.seq_id not in pending for b in beams):
+        return 0  # a preempted beam is still catching up
+    p, state = group.params, group.beam
+    eos = frozenset() if p.ignore_eos else eos_token_ids
+    step = beam_step(state, beams, pending, eos, p.max_tokens, max_model_len)
+    pending.clear()
+    chosen: dict[int, list[tuple[int, float]]] = {}
+    for parent, token, score in step.continuations:
+        chosen.setdefault(parent.seq_id, []).append((token, score))
+    survivors, scores = [], {}
+    for parent in beams:
+        picks = chosen.get(parent.seq_id)
+        if not picks:
+            scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)  # dropped: its blocks come back now
+            continue
+        children = [scheduler.spawn(parent) for _ in picks[1:]]  # before the parent moves on
+        for seq, (token, score) in zip([parent] + children, picks):
+            seq.token_ids.append(token)
+            survivors.append(seq)
+            scores[seq.seq_id] = score
+    state.scores = scores
+    group.seqs = survivors
+    if state.done:
+        group.first.finish_time = time.monotonic()
+    return len(survivors)

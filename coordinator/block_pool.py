@@ -8,16 +8,18 @@ block) are all O(1) and allocate nothing per operation. Blocks without a hash go
 when freed (they hold nothing reusable, so they are handed out first); blocks with a hash go to
 the tail, so the head is always the least recently freed cached block: allocation evicts in LRU
 order.
+
+Allocation latency is sampled, not timed on every call: one allocation in ALLOC_SAMPLE_EVERY
+(the first included) is timed into `alloc_latency_samples_ns`, which the engine's per-step stats
+drain into its histogram. Two clock reads cost about as much as the allocation itself.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
-from coordinator.metrics import ALLOCATION_US_BUCKETS, Histogram
-
-_LATENCY_SAMPLES = 65536
+ALLOC_SAMPLE_EVERY = 8
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -33,9 +35,9 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        # Recent allocation latencies (ns), for p50/p99 in the stats.
-        self.alloc_latency_ns: deque[int] = deque(maxlen=_LATENCY_SAMPLES)
-        self.alloc_latency_us = Histogram(ALLOCATION_US_BUCKETS)  # every allocation, for Prometheus
+        self.num_allocations = 0
+        # Sampled allocation latencies (ns) since the stats last took them (`take_latency_samples`).
+        self.alloc_latency_samples_ns: list[int] = []
         self.num_evictions = 0
         # When a list: every (block, hash) evicted by an allocation, for the CPU prefix tier to
         # save before the block is overwritten.
@@ -51,7 +53,19 @@ class BlockPool:
 
     def allocate(self) -> int:
         """Take the head of the free queue (evicting its cached hash, if any); ref count 1."""
+        self.num_allocations += 1
+        if self.num_allocations % ALLOC_SAMPLE_EVERY != 1:
+            return self._allocate()
         start = time.perf_counter_ns()
+        block = self._allocate()
+        self.alloc_latency_samples_ns.append(time.perf_counter_ns() - start)
+        return block
+
+    def take_latency_samples(self) -> list[int]:
+        samples, self.alloc_latency_samples_ns = self.alloc_latency_samples_ns, []
+        return samples
+
+    def _allocate(self) -> int:
         if not self.free_queue:
             raise NoFreeBlocksError("no free KV blocks")
         block, _ = self.free_queue.popitem(last=False)
@@ -64,9 +78,6 @@ class BlockPool:
             if self.evicted is not None:
                 self.evicted.append((block, old_hash))
         self.ref_counts[block] = 1
-        elapsed = time.perf_counter_ns() - start
-        self.alloc_latency_ns.append(elapsed)
-        self.alloc_latency_us.observe(elapsed / 1000)
         return block
 
     def incref(self, block: int) -> None:

@@ -1,18 +1,17 @@
 """The gRPC face of the engine: `pagedserve.v1.Serving` (streaming Generate, GetStats), the
 standard health service and server reflection, on a grpc.aio server.
 
-A server can bind before its engine exists (the model loads in the background): health says
-NOT_SERVING and Serving calls answer UNAVAILABLE until `set_engine`; health turns SERVING then,
-and NOT_SERVING again for good when the engine loop fails. Optional bearer-token auth (an
-interceptor) guards the Serving methods; health and reflection stay open. Optional TLS.
+Everything a request is judged by lives in a `ServerState` shared with the other transports:
+this module only speaks gRPC. A server can bind before its engine exists (the model loads in the
+background): health says NOT_SERVING and Serving calls answer UNAVAILABLE while the state is not
+serving; health turns SERVING with it, and NOT_SERVING again for good when the engine loop fails.
+Optional bearer-token auth (an interceptor) guards the Serving methods; health and reflection stay
+open. Optional TLS.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-from collections import Counter
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,11 +19,18 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from coordinator.sampling_params import SamplingParams
+from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The gRPC code of each status kind (server_state.error_kind).
+GRPC_CODES = {"invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+              "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+              "unavailable": grpc.StatusCode.UNAVAILABLE,
+              "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+              "internal": grpc.StatusCode.INTERNAL}
 
 log = logging.getLogger("pagedserve.server")
 
@@ -46,89 +52,28 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    """Serving methods plus the server's state: loading -> serving -> failed (or stopping)."""
+    """The Serving methods over a ServerState; no state of their own."""
 
-    def __init__(self, rejected: Counter | None = None):
-        self.engine: AsyncEngine | None = None
-        self.rejected = rejected if rejected is not None else Counter()  # refusals by reason
-        self.health = health.aio.HealthServicer()
-        self.state = "loading"
-        self.reason = "the model is still loading"
-        self._watcher: asyncio.Task | None = None
+    def __init__(self, state: ServerState):
+        self.state = state
 
-    async def _set_health(self, status) -> None:
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, status)
-
-    async def set_engine(self, engine: AsyncEngine) -> None:
-        """The model is loaded and the engine loop runs: serve."""
-        self.engine = engine
-        self.state, self.reason = "serving", ""
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(engine))
-        await self._set_health(_SERVING)
-
-    async def set_failed(self, reason: str) -> None:
-        """Loading failed: stay NOT_SERVING and answer UNAVAILABLE with the reason."""
-        self.state, self.reason = "failed", reason
-        await self._set_health(_NOT_SERVING)
-
-    async def _watch(self, engine: AsyncEngine) -> None:
-        error = await engine.wait_stopped()
-        if error is not None:
-            await self._engine_died(error)
-
-    async def _engine_died(self, error: BaseException) -> None:
-        if self.state == "failed":
-            return
-        log.error("the engine loop failed: %r; health is NOT_SERVING from now on", error)
-        await self.set_failed(f"the engine failed: {error!r}")
-
-    async def stopping(self) -> None:
-        if self.state == "serving":
-            self.state, self.reason = "stopping", "the server is shutting down"
-        await self.health.enter_graceful_shutdown()
-        if self._watcher is not None:
-            self._watcher.cancel()
-
-    def _prompt(self, request: serving_pb2.GenerateRequest) -> tuple[str | None, list[int] | None]:
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            return request.text, None
-        if kind == "token_ids":
-            return None, list(request.token_ids.ids)
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise ValueError("chat.messages must not be empty")
-            return None, self.engine.engine.chat_prompt_ids(messages)
-        raise ValueError("prompt: set one of text, chat or token_ids")
-
-    async def _dead(self, e: EngineDeadError, context) -> None:
-        """The engine failed under a request it held: a bug, so INTERNAL, logged with the request id."""
-        log.error("request %s failed: the engine loop raised %r", e.request_id, e.cause)
-        await self._engine_died(e.cause)
-        await context.abort(grpc.StatusCode.INTERNAL, str(e))
+    async def _fail(self, error: BaseException, context) -> None:
+        kind = await self.state.request_failed(error)
+        await context.abort(GRPC_CODES[kind], str(error))
 
     async def Generate(self, request, context):
-        if self.state != "serving":
-            self.rejected["unavailable"] += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
+        state = self.state
+        if not state.serving:
+            state.reject("unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, state.reason)
         try:
-            prompt, token_ids = self._prompt(request)
+            prompt, token_ids, messages = _prompt(request)
             params = sampling_from_proto(request.sampling)
-            stream = self.engine.generate(prompt, token_ids, params, request.request_id, request.priority)
+            stream = state.engine.generate(prompt, token_ids, params, request.request_id, request.priority,
+                                           messages=messages)
             first = await anext(stream)
-        except ValueError as e:
-            self.rejected["invalid_argument"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
-            self.rejected["queue_full"] += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except EngineDeadError as e:
-            if e.in_flight:
-                await self._dead(e, context)
-            self.rejected["unavailable"] += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            await self._fail(e, context)
         try:
             out = first
             done: set[int] = set()  # samples whose last response has gone out
@@ -149,19 +94,32 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                 try:
                     out = await anext(stream)
                 except EngineDeadError as e:
-                    await self._dead(e, context)
+                    await self._fail(e, context)
         finally:
             # A cancelled or expired stream arrives here as CancelledError: closing the stream
             # now aborts the request and frees its blocks before the next step.
             await stream.aclose()
 
     async def GetStats(self, request, context):
-        if self.state != "serving":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.reason)
-        stats = await self.engine.stats()
-        for reason in ("invalid_argument", "queue_full", "unavailable", "unauthenticated"):
-            stats[f"requests_rejected_{reason}"] = self.rejected[reason]
+        if not self.state.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state.reason)
+        stats = await self.state.stats()
         return serving_pb2.GetStatsResponse(stats={k: float(v) for k, v in stats.items()})
+
+
+def _prompt(request: serving_pb2.GenerateRequest) -> tuple[str | None, list[int] | None, list[dict] | None]:
+    """(text, token ids, chat messages): exactly one is set; the engine tokenizes, off the loop."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text, None, None
+    if kind == "token_ids":
+        return None, list(request.token_ids.ids), None
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise ValueError("chat.messages must not be empty")
+        return None, None, messages
+    raise ValueError("prompt: set one of text, chat or token_ids")
 
 
 def _responses(out, done: set[int], num_logprobs: int) -> list[serving_pb2.GenerateResponse]:
@@ -212,29 +170,24 @@ def _position_logprobs(step: dict, token: int, k: int) -> serving_pb2.PositionLo
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Serving methods need `authorization: Bearer <token>`; anything else answers UNAUTHENTICATED.
-    Other services (health, reflection) stay open, so that probes need no secret."""
+    """Serving methods need `authorization: Bearer <token>` (checked by the ServerState); anything
+    else answers UNAUTHENTICATED. Other services (health, reflection) stay open, so that probes need
+    no secret."""
 
-    def __init__(self, token: str, guarded_prefix: str = f"/{SERVICE_NAME}/", rejected: Counter | None = None):
-        if not token:
-            raise ValueError("the API key must not be empty")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, state: ServerState, guarded_prefix: str = f"/{SERVICE_NAME}/"):
+        self._state = state
         self._prefix = guarded_prefix
-        self._rejected = rejected if rejected is not None else Counter()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self._prefix):
             return handler
-        got = ""
+        got = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 got = value if isinstance(value, str) else value.decode("latin-1")
-        if got and hmac.compare_digest(got.encode("utf-8", "replace"), self._expected):
-            return handler
-        why = "wrong bearer token" if got else "missing bearer token (metadata 'authorization: Bearer <key>')"
-        self._rejected["unauthenticated"] += 1
-        return _refusal(handler, why)
+        why = self._state.check_auth(got)
+        return handler if why is None else _refusal(handler, why)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
@@ -253,39 +206,41 @@ def _refusal(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHand
 
 
 class ServingServer:
-    """The grpc.aio server: Serving (+ optional bearer auth), health, reflection, optional TLS.
+    """The grpc.aio server over a ServerState: Serving (+ bearer auth when the state has a key),
+    health (following the state), reflection, optional TLS.
 
-        server = ServingServer(api_key="...", tls=(cert_pem, key_pem))
+        state = ServerState(api_key="...")
+        server = ServingServer(state, tls=(cert_pem, key_pem))
         port = await server.start("127.0.0.1", 0)   # bound: NOT_SERVING, Generate -> UNAVAILABLE
-        await server.set_engine(async_engine)       # SERVING until the engine loop fails
+        await state.set_engine(async_engine)        # SERVING until the engine loop fails
         await server.stop(grace=2)
     """
 
-    def __init__(self, api_key: str | None = None, tls: tuple[bytes, bytes] | None = None):
-        self.rejected: Counter = Counter()  # requests refused, by reason (metrics and GetStats)
-        self.servicer = ServingServicer(self.rejected)
-        interceptors = [BearerTokenInterceptor(api_key, rejected=self.rejected)] if api_key else []
+    def __init__(self, state: ServerState, tls: tuple[bytes, bytes] | None = None):
+        self.state = state
         self.tls = tls
-        self.auth = bool(api_key)
+        self.servicer = ServingServicer(state)
+        self.health = health.aio.HealthServicer()
+        interceptors = [BearerTokenInterceptor(state)] if state.auth else []
         # so_reuseport=0: otherwise a second server binds the same port silently.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         serving_pb2_grpc.add_ServingServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
+        state.add_listener(self._on_status)
         self.port = 0
 
-    @property
-    def state(self) -> str:
-        return self.servicer.state
-
-    @property
-    def reason(self) -> str:
-        return self.servicer.reason
+    async def _on_status(self, status: str) -> None:
+        if status == "stopping":
+            await self.health.enter_graceful_shutdown()  # NOT_SERVING, and no later change
+            return
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, _SERVING if status == "serving" else _NOT_SERVING)
 
     async def start(self, host: str = "127.0.0.1", port: int = 50051) -> int:
         """Bind host:port (port 0 picks a free one) and start answering; returns the bound port."""
-        await self.servicer._set_health(_NOT_SERVING)
+        await self._on_status(self.state.status)
         address = f"{host}:{port}"
         try:
             if self.tls is not None:
@@ -301,22 +256,19 @@ class ServingServer:
         self.port = bound
         return bound
 
-    async def set_engine(self, engine: AsyncEngine) -> None:
-        await self.servicer.set_engine(engine)
-
-    async def set_failed(self, reason: str) -> None:
-        await self.servicer.set_failed(reason)
-
     async def stop(self, grace: float | None = None) -> None:
-        await self.servicer.stopping()
+        """Stop the state (new requests are refused) and this server, open streams given `grace` s."""
+        await self.state.stop()
+        await self.health.enter_graceful_shutdown()  # a failed state does not change on stop()
         await self.server.stop(grace)
 
 
 async def start_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051,
                        api_key: str | None = None, tls: tuple[bytes, bytes] | None = None
                        ) -> tuple[ServingServer, int]:
-    """Serve an engine that already runs on host:port; returns the server and its port."""
-    server = ServingServer(api_key, tls)
+    """Serve an engine that already runs on host:port (a ServerState of its own); returns the server
+    and its port."""
+    server = ServingServer(ServerState(api_key), tls)
     bound = await server.start(host, port)
-    await server.set_engine(engine)
+    await server.state.set_engine(engine)
     return server, bound

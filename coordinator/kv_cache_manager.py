@@ -4,7 +4,9 @@ A sequence's table grows only when its last block is full. Prefix caching identi
 block by a hash chained over its parent block's hash and its token ids (blake2b: stable across
 processes and runs, unlike Python's `hash`), so equal hashes mean equal whole prefixes.
 
-CPU tier (`attach_cpu_tier`, prefix caching with a KV store): a hashed device block evicted by an
+The CPU block pool (`cpu_pool`, the KV store's blocks, None without a store) is owned here: swap
+preemption moves whole sequences into it, and with prefix caching it is also the prefix cache's
+CPU tier: a hashed device block evicted by an
 allocation is saved to the store under its hash before it is overwritten (the step's swap-outs
 run first on the workers), and a prefix that runs out of device hits continues in the store:
 those blocks are loaded onto fresh device blocks (swap-ins, before the forward pass) instead of
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 
 from coordinator.block_pool import BlockPool
+from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.sequence import Sequence
 
 
@@ -28,9 +32,20 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Lifetime counters of the prefix cache (tokens, except the CPU tier's block counts)."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found, in either tier
+    cpu_hits: int = 0  # of which loaded from the CPU tier
+    cpu_saved_blocks: int = 0  # evicted device blocks saved to the CPU tier
+    cpu_loaded_blocks: int = 0  # CPU-tier blocks loaded onto device blocks
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, cpu_pool: CpuBlockPool | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -39,18 +54,12 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         # Copy-on-write copies decided since the last drain: (src_block, dst_block).
         self.pending_copies: list[tuple[int, int]] = []
-        # Tokens whose K/V are written, per block; their sum over used blocks is `filled_slots`.
-        self.block_fill = [0] * num_blocks
-        self.filled_slots = 0
         self._num_registered: dict[int, int] = {}
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0  # tokens, from either tier
-        self.cpu_tier = None  # the KV store's CpuBlockPool, when it backs the prefix cache
-        self.cpu_prefix_cache_hits = 0  # tokens loaded from the CPU tier
-        self.cpu_tier_saved_blocks = 0
-        self.cpu_tier_loaded_blocks = 0
+        self.prefix_stats = PrefixCacheStats()
         # Tier transfers decided since the last drain: (cpu, device) loads.
         self.pending_loads: list[tuple[int, int]] = []
+        self.cpu_pool: CpuBlockPool | None = None
+        self.replace_cpu_pool(cpu_pool)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -64,10 +73,29 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def fragmentation(self) -> float:
+    @property
+    def cpu_tier_enabled(self) -> bool:
+        """Whether the CPU pool also backs the prefix cache (prefix caching with a store)."""
+        return self.cpu_pool is not None and self.enable_prefix_caching
+
+    def num_filled_slots(self, running: list[Sequence]) -> int:
+        """Slots of used blocks that hold a computed token's K/V, from the running sequences'
+        tables (they hold every used block). Only a table's tail past its computed tokens can
+        be partly empty; a tail block shared by forks counts once, at its fullest."""
+        bs = self.block_size
+        tail_fill: dict[int, int] = {}
+        for seq in running:
+            computed, table = seq.num_computed_tokens, seq.block_table
+            for i in range(computed // bs, len(table)):
+                fill = max(0, computed - i * bs)
+                if fill >= tail_fill.get(table[i], 0):
+                    tail_fill[table[i]] = fill
+        return self.pool.num_used * bs - sum(bs - fill for fill in tail_fill.values())
+
+    def fragmentation(self, running: list[Sequence]) -> float:
         """Allocated-but-empty slots over allocated slots (internal fragmentation)."""
         allocated = self.pool.num_used * self.block_size
-        return 0.0 if allocated == 0 else 1.0 - self.filled_slots / allocated
+        return 0.0 if allocated == 0 else 1.0 - self.num_filled_slots(running) / allocated
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
@@ -93,13 +121,13 @@ class KVCacheManager:
     def get_cpu_tier_blocks(self, seq: Sequence, num_device_blocks: int) -> list[int]:
         """CPU blocks that continue `seq`'s prefix after its first `num_device_blocks` (device
         hits), up to the first miss; empty without a CPU tier."""
-        if self.cpu_tier is None:
+        if not self.cpu_tier_enabled:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
         blocks = []
         for h in seq.block_hashes[num_device_blocks:max_blocks]:
-            block = self.cpu_tier.lookup(h)
+            block = self.cpu_pool.lookup(h)
             if block is None:
                 break
             blocks.append(block)
@@ -107,22 +135,28 @@ class KVCacheManager:
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int, num_cpu_hit_tokens: int = 0) -> None:
         if self.enable_prefix_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens + num_cpu_hit_tokens
-            self.cpu_prefix_cache_hits += num_cpu_hit_tokens
+            stats = self.prefix_stats
+            stats.queries += num_tokens
+            stats.hits += num_hit_tokens + num_cpu_hit_tokens
+            stats.cpu_hits += num_cpu_hit_tokens
 
-    def attach_cpu_tier(self, cpu) -> None:
-        """Back the prefix cache with the KV store's pool `cpu` (None detaches it)."""
-        self.cpu_tier = cpu if self.enable_prefix_caching else None
-        self.pool.evicted = [] if self.cpu_tier is not None else None
+    def replace_cpu_pool(self, cpu_pool: CpuBlockPool | None) -> None:
+        """The KV store's block pool (a new store's after the old one died, or None: no store)."""
+        self.cpu_pool = cpu_pool
+        self.pool.evicted = [] if self.cpu_tier_enabled else None
         self.pending_loads = []
+
+    def end_step(self) -> None:
+        """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
+        if self.cpu_pool is not None:
+            self.cpu_pool.end_step()
 
     def save_evicted(self) -> list[tuple[int, int]]:
         """(device, cpu) copies that keep the blocks evicted since the last call in the CPU tier.
         A hash the tier holds already is only refreshed; with no CPU block free or evictable
         (all held by swapped sequences) a block is simply lost, as without a tier."""
-        cpu, evicted = self.cpu_tier, self.pool.evicted
-        if cpu is None or not evicted:
+        cpu, evicted = self.cpu_pool, self.pool.evicted
+        if not self.cpu_tier_enabled or not evicted:
             return []
         self.pool.evicted = []
         saves = []
@@ -137,7 +171,7 @@ class KVCacheManager:
             cpu.register(target, block_hash)
             cpu.release_after_step(target)  # free (and cached) once the step has written it
             saves.append((block, target))
-        self.cpu_tier_saved_blocks += len(saves)
+        self.prefix_stats.cpu_saved_blocks += len(saves)
         return saves
 
     # ---- allocation ------------------------------------------------------------------------
@@ -161,59 +195,43 @@ class KVCacheManager:
         # Device hits leave the free queue before anything is allocated, so that no allocation
         # below can evict one of them.
         for b in computed_blocks:
-            if pool.ref_counts[b] == 0:  # back from the free queue: its (full) fill counts again
-                self.filled_slots += self.block_fill[b]
             pool.incref(b)
             table.append(b)
         for c in cpu_blocks:
-            self.cpu_tier.hold_for_step(c)  # nothing may overwrite it before the step reads it
+            self.cpu_pool.hold_for_step(c)  # nothing may overwrite it before the step reads it
             b = pool.allocate()
-            self.block_fill[b] = bs
-            self.filled_slots += bs
             pool.register(b, seq.block_hashes[len(table)])
             table.append(b)
             self.pending_loads.append((c, b))
-        self.cpu_tier_loaded_blocks += len(cpu_blocks)
+        self.prefix_stats.cpu_loaded_blocks += len(cpu_blocks)
         if computed_blocks or cpu_blocks:
             seq.num_computed_tokens = num_computed
             self._num_registered[seq.seq_id] = len(table)
         if cow:
             self._copy_on_write(seq, num_computed // bs)
         for _ in range(needed - len(cpu_blocks)):
-            b = pool.allocate()
-            self.block_fill[b] = 0
-            table.append(b)
+            table.append(pool.allocate())
         return True
 
     def _copy_on_write(self, seq: Sequence, index: int) -> None:
         src = seq.block_table[index]
         dst = self.pool.allocate()
-        fill = seq.num_computed_tokens - index * self.block_size
-        self.block_fill[dst] = fill
-        self.filled_slots += fill
         self.pool.decref(src)
         seq.block_table[index] = dst
         self.pending_copies.append((src, dst))
 
-    def commit_computed(self, seq: Sequence, old_computed: int) -> None:
-        """After a step wrote K/V for tokens [old_computed, seq.num_computed_tokens): update the
-        fill accounting and register the blocks that became full in the prefix cache."""
-        bs, table = self.block_size, seq.block_table
-        new_computed = seq.num_computed_tokens
-        for i in range(old_computed // bs, self.blocks_needed(new_computed)):
-            fill = min(bs, new_computed - i * bs)
-            b = table[i]
-            if fill > self.block_fill[b]:
-                self.filled_slots += fill - self.block_fill[b]
-                self.block_fill[b] = fill
-        if self.enable_prefix_caching:
-            num_full = new_computed // bs
-            start = self._num_registered.get(seq.seq_id, 0)
-            if num_full > start:
-                self._extend_hashes(seq, num_full)
-                for i in range(start, num_full):
-                    self.pool.register(table[i], seq.block_hashes[i])
-                self._num_registered[seq.seq_id] = num_full
+    def commit_computed(self, seq: Sequence) -> None:
+        """After a step wrote K/V up to seq.num_computed_tokens: register the blocks that became
+        full in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full > start:
+            self._extend_hashes(seq, num_full)
+            for i in range(start, num_full):
+                self.pool.register(seq.block_table[i], seq.block_hashes[i])
+            self._num_registered[seq.seq_id] = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (ref counts + 1); writes copy on demand."""
@@ -228,19 +246,19 @@ class KVCacheManager:
         """Release the sequence's blocks, last block first, so that a sequence's tail is evicted
         from the prefix cache before its (more shareable) head."""
         for b in reversed(seq.block_table):
-            if self.pool.decref(b):
-                self.filled_slots -= self.block_fill[b]
+            self.pool.decref(b)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
 
     # ---- swap ------------------------------------------------------------------------------
-    def swap_out(self, seqs: list[Sequence], cpu) -> list[tuple[int, int]] | None:
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
         """Move a group's blocks to the CPU store, one CPU block per distinct device block, so
         that sharing survives. Returns the (device, cpu) copies for the workers, or None, with
         nothing changed, when the store lacks room. Copy-on-write copies pending for these
         sequences are cancelled: the swap reads their source block instead, whose data the copy
         would have produced (the workers swap out before they copy)."""
+        cpu = self.cpu_pool
         distinct = list(dict.fromkeys(b for seq in seqs for b in seq.block_table))
         if len(distinct) > cpu.num_free:
             return None
@@ -261,7 +279,7 @@ class KVCacheManager:
             seq.num_computed_tokens = computed  # its K/V live on in the store
         return copies
 
-    def swap_in(self, seqs: list[Sequence], cpu) -> list[tuple[int, int]] | None:
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
         """Bring a swapped group back onto fresh device blocks (sharing kept). Returns the
         (cpu, device) copies, or None, with nothing changed, when the device pool lacks room."""
         distinct = list(dict.fromkeys(c for seq in seqs for c in seq.cpu_block_table))
@@ -271,25 +289,21 @@ class KVCacheManager:
         seen = set()
         for seq in seqs:
             seq.block_table = [mapping[c] for c in seq.cpu_block_table]
-            for i, b in enumerate(seq.block_table):
+            for b in seq.block_table:
                 if b in seen:
                     self.pool.incref(b)
-                    continue
                 seen.add(b)
-                fill = max(0, min(self.block_size, seq.num_computed_tokens - i * self.block_size))
-                self.block_fill[b] = fill
-                self.filled_slots += fill
             # Swapped-in blocks are not re-registered in the prefix cache.
             self._num_registered[seq.seq_id] = seq.num_computed_tokens // self.block_size
             for c in seq.cpu_block_table:  # read by this step: freed once it has run
-                cpu.release_after_step(c)
+                self.cpu_pool.release_after_step(c)
             seq.cpu_block_table = []
         return [(c, mapping[c]) for c in distinct]
 
-    @staticmethod
-    def free_cpu(seq: Sequence, cpu) -> None:
+    def free_cpu(self, seq: Sequence) -> None:
+        """Release a swapped-out sequence's CPU blocks."""
         for c in seq.cpu_block_table:
-            cpu.decref(c)
+            self.cpu_pool.decref(c)
         seq.cpu_block_table = []
 
     def drain_copies(self) -> list[tuple[int, int]]:

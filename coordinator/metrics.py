@@ -1,14 +1,17 @@
 """The engine's latency and count metrics: fixed-bucket histograms and counters by label.
 
-Recorded by the engine loop as it steps (a bisect and two adds per observation), read by
+Folded in from each step's IterationStats (a bisect and two adds per observation), read by
 `GetStats` (counts, sums, percentiles) and by the Prometheus endpoint (`coordinator/prometheus.py`,
 cumulative buckets). Plain Python, no Prometheus dependency here: the offline API records them too.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, deque
+
+from coordinator.stats import IterationStats
 
 # Seconds: from a decode step on a GPU (ms) to a long queue on a CPU (minutes).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -67,13 +70,47 @@ HISTOGRAMS = {  # name -> (buckets, help)
 }
 
 
+# Recent sampled block allocations kept for the p50/p99 in the stats.
+_ALLOC_LATENCY_SAMPLES = 65536
+
+
 class EngineMetrics:
+    """Lifetime counters and histograms, folded in from each step's IterationStats."""
+
     def __init__(self):
         self.histograms = {name: Histogram(buckets) for name, (buckets, _) in HISTOGRAMS.items()}
+        self.alloc_latency_us = Histogram(ALLOCATION_US_BUCKETS)
+        self.recent_alloc_latency_ns: deque[int] = deque(maxlen=_ALLOC_LATENCY_SAMPLES)
         self.finished: Counter[str] = Counter()  # requests by finish reason: stop, length, abort
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.execute_seconds = 0.0
+        self.worker_seconds = 0.0
 
-    def observe(self, name: str, value: float) -> None:
-        self.histograms[name].observe(value)
+    def record(self, it: IterationStats) -> None:
+        observe = self.histograms
+        self.num_prompt_tokens += it.num_prompt_tokens
+        self.num_generation_tokens += it.num_generation_tokens
+        for name, values in (("request_queue_time_seconds", it.queue_times),
+                             ("time_to_first_token_seconds", it.time_to_first_tokens),
+                             ("inter_token_latency_seconds", it.inter_token_latencies),
+                             ("e2e_request_latency_seconds", it.e2e_latencies)):
+            for value in values:
+                observe[name].observe(value)
+        # Recorded before the step's snapshot replaces the one that still counts these requests in
+        # flight: a scrape in between may count one twice, never miss one.
+        self.finished.update(it.finish_reasons)
+        for ns in it.alloc_latencies_ns:
+            self.alloc_latency_us.observe(ns / 1000)
+        self.recent_alloc_latency_ns.extend(it.alloc_latencies_ns)
+        if it.step_seconds:
+            self.execute_seconds += it.execute_seconds
+            self.worker_seconds += it.worker_seconds
+            if it.num_scheduled_tokens:
+                observe["tokens_per_step"].observe(it.num_scheduled_tokens)
+            if it.swap_seconds:
+                observe["swap_transfer_seconds"].observe(it.swap_seconds)
+            observe["step_duration_seconds"].observe(it.step_seconds)
 
     def summary(self) -> dict:
         """Flat figures for GetStats: count, sum and p50/p90/p99 of each histogram."""
@@ -85,4 +122,11 @@ class EngineMetrics:
                 out[f"{name}_p{q}"] = h.quantile(q / 100)
         for reason in ("stop", "length", "abort"):
             out[f"requests_finished_{reason}"] = self.finished[reason]
+        samples = sorted(self.recent_alloc_latency_ns)
+        out["alloc_latency_us_p50"] = _nearest_rank(samples, 0.50) / 1000.0
+        out["alloc_latency_us_p99"] = _nearest_rank(samples, 0.99) / 1000.0
         return out
+
+
+def _nearest_rank(ordered: list[int], q: float) -> float:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0

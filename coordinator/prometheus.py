@@ -1,8 +1,8 @@
 """The Prometheus endpoint: `/metrics` over HTTP, names prefixed `pagedserve_`, labelled with the
 model name; counters end in `_total`.
 
-A custom collector reads the engine's figures when scraped (nothing is pushed per step), from
-the HTTP server's thread: every value it reads is a plain int or float, or a list copied first.
+A custom collector reads the engine's figures when scraped, from the HTTP server's thread: the
+latest per-step snapshot and the metrics' counters and histograms (plain ints and floats).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ class PagedserveCollector:
                        {reason: engine.metrics.finished[reason] for reason in FINISH_REASONS})
         for name, (_, doc) in HISTOGRAMS.items():
             yield self._histogram(name, doc, engine.metrics.histograms[name], model)
-        yield self._histogram("block_allocation_latency_microseconds", "Latency of one KV block allocation",
-                              engine.kv.pool.alloc_latency_us, model)
+        yield self._histogram("block_allocation_latency_microseconds",
+                              "Latency of one KV block allocation (one in ALLOC_SAMPLE_EVERY is timed)",
+                              engine.metrics.alloc_latency_us, model)
 
     def _histogram(self, name: str, doc: str, h: Histogram, model) -> HistogramMetricFamily:
         family = self._family(HistogramMetricFamily, name, doc)

@@ -1,17 +1,17 @@
-"""What the engine tracks per request beyond the scheduler's sequences: one Completion per sample
-(its detokenizer, what has been streamed, its logprobs), and how RequestOutputs are built.
+"""What the output processor tracks per request beyond the scheduler's sequences: one Completion
+per sample (its detokenizer, what has been streamed, its logprobs), and how RequestOutputs are built.
 
 A request with `best_of` samples starts as one sequence; when its prompt's last token is computed
-it forks into `best_of` sequences sharing the prompt's blocks (see LLMEngine._fork).
+it forks into `best_of` sequences sharing the prompt's blocks (Scheduler._fork), and each new
+sample gets its Completion when its first token arrives.
 """
 
 from __future__ import annotations
 
-from coordinator.beam_search import BeamState
 from coordinator.detokenizer import IncrementalDetokenizer
 from coordinator.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from coordinator.sampling_params import SamplingParams
-from coordinator.sequence import Sequence
+from coordinator.sequence import Sequence, SequenceGroup
 from workers.step_plan import TokenLogprobs
 
 
@@ -27,9 +27,9 @@ def logprob_dict(entry: TokenLogprobs, tokenizer) -> dict[int, Logprob]:
 class Completion:
     __slots__ = ("seq", "detok", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob")
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
+    def __init__(self, seq: Sequence, tokenizer):
         self.seq = seq
-        self.detok = detok
+        self.detok = IncrementalDetokenizer(tokenizer, seq.num_prompt_tokens, seq.params.skip_special_tokens)
         self.sent_tokens = 0
         self.sent_chars = 0
         self.logprobs: list[dict[int, Logprob]] = []
@@ -75,24 +75,35 @@ class Completion:
 
 
 class RequestState:
-    """`completions`: one per sample; under beam search, one per running beam (beams come and go),
-    and the result is `beam.hypotheses`."""
+    """`completions`: one per sample, in output order. Under beam search there are none: the
+    result is the group's `beam.hypotheses`."""
 
-    __slots__ = ("request_id", "prompt", "params", "completions", "first", "beam", "pending_beam_logprobs",
-                 "tokenizer", "prompt_logprobs")
+    __slots__ = ("request_id", "prompt", "params", "group", "completions", "_by_seq_id", "tokenizer",
+                 "prompt_logprobs")
 
-    def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: Completion,
-                 tokenizer=None):
-        self.request_id = request_id
+    def __init__(self, group: SequenceGroup, prompt: str | None, tokenizer):
+        self.request_id = group.request_id
         self.prompt = prompt
-        self.params = params
-        self.completions = [first]
-        self.first = first.seq
+        self.params = group.params
+        self.group = group
         self.tokenizer = tokenizer
-        self.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping) \
-            if params.use_beam_search else None
-        self.pending_beam_logprobs: dict = {}  # beam seq_id -> this step's TokenLogprobs
+        self.completions: list[Completion] = []
+        self._by_seq_id: dict[int, Completion] = {}
+        if group.beam is None:
+            self.completion_of(group.first)
         self.prompt_logprobs: dict[int, dict] = {}  # prompt position p -> logprobs of token p + 1
+
+    def completion_of(self, seq: Sequence) -> Completion:
+        """The sample's Completion; a new one for a sample just forked."""
+        completion = self._by_seq_id.get(seq.seq_id)
+        if completion is None:
+            completion = self._by_seq_id[seq.seq_id] = Completion(seq, self.tokenizer)
+            self.completions.append(completion)
+        return completion
+
+    @property
+    def first(self) -> Sequence:
+        return self.group.first
 
     def record_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
         """Chunks arrive in order; a recomputed prompt (after preemption) brings the same again."""
@@ -105,21 +116,15 @@ class RequestState:
         return [None] + [self.prompt_logprobs.get(p) for p in range(self.first.num_prompt_tokens - 1)]
 
     @property
-    def seq(self) -> Sequence:
-        """The first sequence (the one that computes the prompt)."""
-        return self.first
-
-    @property
     def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        return not self.seq.fork_ids and all(c.seq.status.finished for c in self.completions)
+        return self.group.finished
 
     def _beam_output(self) -> RequestOutput | None:
-        if not self.beam.done:
+        beam = self.group.beam
+        if not beam.done:
             return None
         outputs = []
-        for i, h in enumerate(self.beam.hypotheses[:self.params.n]):
+        for i, h in enumerate(beam.hypotheses[:self.params.n]):
             text = self.tokenizer.decode(h.token_ids, skip_special_tokens=self.params.skip_special_tokens)
             outputs.append(CompletionOutput(i, text, h.token_ids, "stop" if h.ended_by_eos else "length",
                                             cumulative_logprob=h.cumulative_logprob,
@@ -136,7 +141,7 @@ class RequestState:
         """The request's state now: every sample, with what it added since the last output. With
         best_of > n nothing streams: the n best (by cumulative logprob) come when all are done;
         likewise under beam search, the n best hypotheses."""
-        if self.beam is not None:
+        if self.group.beam is not None:
             return self._beam_output()
         params = self.params
         finished = self.finished
@@ -146,7 +151,7 @@ class RequestState:
                 return None
             completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[:params.n]
         outputs = [c.output(i, params) for i, c in enumerate(completions)]
-        first = self.seq
+        first = self.first
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  max((c.seq.finish_time or 0.0) for c in self.completions) if finished else None,
                                  first.num_cached_prompt_tokens,

@@ -21,6 +21,12 @@ before any new admission, once blocks are free), otherwise by recompute: its blo
 its generated tokens kept, and on readmission its prefill recomputes (or re-finds in the prefix
 cache) the whole context. A step that preempts admits nothing and swaps nothing in.
 
+After the workers ran a step, `update_from_output` does the scheduler's own bookkeeping, as vLLM's
+does: computed tokens advance, full blocks enter the prefix cache, sampled tokens are appended,
+a request's samples fork off its first sequence, beam searches advance, and a sequence that hit a
+token-level stop (EOS, a stop token id, max_tokens, max_model_len) is finished and its blocks
+freed at once. Stop strings need text: the output processor finds them and calls `finish`.
+
 Workers run a step's transfers in a fixed order: swap-outs (preempted groups, CPU prefix-tier
 saves of evicted blocks), then copy-on-write copies, then swap-ins (swapped groups coming back,
 CPU prefix-tier loads), then the forward pass. So every device block is read before it is
@@ -29,11 +35,17 @@ overwritten; CPU blocks read by a step are held until `end_step`, so no write re
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from coordinator.beam_search import BeamState, advance_beams
 from coordinator.kv_cache_manager import KVCacheManager
-from coordinator.sequence import Sequence, SequenceStatus
+from coordinator.sampling_params import SamplingParams
+from coordinator.sequence import GroupUpdate, NewToken, Sequence, SequenceGroup, SequenceStatus, check_stop
+from coordinator.stats import IterationStats
+from workers.step_plan import StepOutput
 
 
 @dataclass(slots=True)
@@ -44,6 +56,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     load: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), CPU tier
+    queue_times: list[float] = field(default_factory=list)  # of requests scheduled for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +64,6 @@ class SchedulerOutput:
 
 
 PRIORITY_AGING_STEPS = 64
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("auto", "swap", "recompute")
 # preemption_mode "auto" swaps a victim with at least this many computed tokens when the store has
 # room. benchmarks/swap.py measures both costs of SmolLM2 on these 2 cores in one run: a swap out
 # and back through shared memory costs ~30 us fixed + 6.9 us per token (46 KB of fp32 K/V), while
@@ -62,19 +73,20 @@ AUTO_SWAP_MIN_TOKENS = 1
 
 
 class Scheduler:
+    """`policy` and `preemption_mode` come checked by EngineConfig; `eos_token_ids` and
+    `max_model_len` end sequences in `update_from_output`."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, policy: str = "fcfs", cpu=None,
-                 preemption_mode: str = "recompute"):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {preemption_mode!r}")
-        if preemption_mode == "swap" and cpu is None:
-            raise ValueError("preemption_mode 'swap' needs a CPU KV store: set swap_space > 0")
+                 enable_chunked_prefill: bool, policy: str = "fcfs", preemption_mode: str = "recompute",
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None):
         self.policy = policy
-        self.cpu = cpu  # the CPU block pool of the KV store, or None
-        kv.attach_cpu_tier(cpu)
         self.preemption_mode = preemption_mode
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.groups: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        self._seq_ids = itertools.count()
+        self.finished_seq_ids: list[int] = []  # since the last plan: workers drop their state
+        self.peak_blocks_used = 0
         self.swap_out_blocks = 0
         self.swap_in_blocks = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those that swapped
@@ -89,6 +101,33 @@ class Scheduler:
         # Groups swapped out together (a request's running samples or beams), oldest first.
         self.swapped: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> SequenceGroup:
+        """Queue a request (checked already: the input processor refuses what could fail)."""
+        first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
+        first.priority = priority
+        beam = None
+        if params.use_beam_search:  # beams fork as the search goes
+            beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping)
+        else:
+            first.fork_ids = [next(self._seq_ids) for _ in range(params.best_of - 1)]
+        group = self.groups[request_id] = SequenceGroup(first, beam)
+        self.add(first)
+        return group
+
+    def abort_request(self, request_id: str) -> SequenceGroup | None:
+        """End a request in any state; every block of every sample comes back at once."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.first.fork_ids = []
+        for seq in group.seqs:
+            if not seq.status.finished:
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if group.beam is not None:
+            group.beam.done = True  # the hypotheses so far are the answer
+        return group
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -159,21 +198,110 @@ class Scheduler:
         out.copies = kv.drain_copies()
         out.load = kv.drain_loads()
         out.swap_out += kv.save_evicted()
+        self.peak_blocks_used = max(self.peak_blocks_used, kv.pool.num_used)
+        now = time.monotonic()
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                if seq.num_preemptions == 0 and self._is_first(seq):
+                    out.queue_times.append(now - seq.arrival_time)
         return out
 
-    def end_step(self) -> None:
-        """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
-        if self.cpu is not None:
-            self.cpu.end_step()
+    def take_finished_seq_ids(self) -> list[int]:
+        finished, self.finished_seq_ids = self.finished_seq_ids, []
+        return finished
 
-    def replace_cpu(self, cpu) -> None:
-        """A new KV store (or none) after the old one died; its pool starts empty."""
-        self.cpu = cpu
-        self.kv.attach_cpu_tier(cpu)
+    def _is_first(self, seq: Sequence) -> bool:
+        """Whether `seq` is its request's first sequence (a bare sequence counts as its own)."""
+        group = self.groups.get(seq.request_id)
+        return group is None or seq is group.first
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, output: StepOutput, stats: IterationStats
+                           ) -> list[GroupUpdate]:
+        """The workers ran `out`: advance each sequence, append its sampled token, fork, advance
+        beams, finish what stopped (see the module docstring). Returns each touched request's
+        update, for the output processor; token timings and counts go to `stats`."""
+        sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
+        logprobs = dict(zip(output.seq_ids, output.logprobs)) if output.logprobs else {}
+        now = time.monotonic()
+        updates: dict[str, GroupUpdate] = {}
+
+        def update_of(seq: Sequence) -> GroupUpdate:
+            update = updates.get(seq.request_id)
+            if update is None:
+                group = self.groups.get(seq.request_id) or SequenceGroup(seq)
+                update = updates[seq.request_id] = GroupUpdate(group)
+            return update
+
+        if output.prompt_logprobs:
+            by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
+            for seq_id, entries in output.prompt_logprobs.items():
+                update_of(by_id[seq_id]).prompt_logprobs.append(entries)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.commit_computed(seq)
+            if seq.seq_id not in sampled:
+                continue  # a prefill chunk that is not the last
+            update = update_of(seq)
+            update.sampled = True
+            self._record_token_time(seq, update.group, now, stats)
+            group = update.group
+            if group.beam is not None:
+                group.pending_beam_logprobs[seq.seq_id] = logprobs[seq.seq_id]
+                continue
+            for s in [seq] + (self._fork(group, seq) if seq.fork_ids else []):
+                token = sampled[s.seq_id]
+                s.token_ids.append(token)
+                stats.num_generation_tokens += 1
+                update.new_tokens.append(NewToken(s, token, logprobs.get(s.seq_id)))
+                status = check_stop(s, token, self.eos_token_ids, self.max_model_len)
+                if status is not None:
+                    self.finish(s, status)
+        for update in updates.values():
+            if update.group.beam is not None and update.sampled:
+                stats.num_generation_tokens += advance_beams(self, update.group, self.eos_token_ids,
+                                                             self.max_model_len)
+        return list(updates.values())
+
+    @staticmethod
+    def _record_token_time(seq: Sequence, group: SequenceGroup, now: float, stats: IterationStats) -> None:
+        if seq.last_token_time is not None:
+            stats.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq is group.first:
+                stats.num_prompt_tokens += seq.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - seq.arrival_time)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        """The parent's prompt is computed: fork the other samples onto its blocks (ref counts,
+        no copy; the first write into the shared partial block copies it)."""
+        children = [self.spawn(parent, fork_id) for fork_id in parent.fork_ids]
+        group.seqs += children
+        parent.fork_ids = []
+        return children
+
+    def spawn(self, parent: Sequence, seq_id: int | None = None) -> Sequence:
+        """A new sample or beam continuing `parent`: its tokens and timings, its blocks shared."""
+        child = Sequence(next(self._seq_ids) if seq_id is None else seq_id, parent.request_id,
+                         parent.prompt_token_ids, parent.params)
+        child.token_ids = list(parent.token_ids)
+        child.priority, child.arrival_time = parent.priority, parent.arrival_time
+        child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
+        child.last_token_time = parent.last_token_time
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        if parent.status == SequenceStatus.RUNNING:
+            self.kv.fork(parent, child)
+            self.add_running(child)
+        else:  # the parent was preempted: the child recomputes (or re-finds) its context too
+            self.add(child)
+        return child
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped and len(self.running) + len(self.swapped[0]) <= self.max_num_seqs:
-            copies = self.kv.swap_in(self.swapped[0], self.cpu)
+            copies = self.kv.swap_in(self.swapped[0])
             if copies is None:
                 return
             for seq in self.swapped.popleft():
@@ -212,7 +340,7 @@ class Scheduler:
         blocks), or recompute the victim alone. Returns the sequences taken off `running`."""
         if self._swappable(victim):
             group = [victim] + [s for s in self.running if s.request_id == victim.request_id]
-            copies = self.kv.swap_out(group, self.cpu)
+            copies = self.kv.swap_out(group)
             if copies is not None:
                 for seq in group:
                     if seq is not victim:
@@ -234,7 +362,7 @@ class Scheduler:
         groups, self.swapped = list(self.swapped), deque()
         seqs = [seq for group in groups for seq in group]
         for seq in reversed(seqs):
-            self.kv.free_cpu(seq, self.cpu)
+            self.kv.free_cpu(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self._waiting_since[seq.seq_id] = self.num_steps
@@ -242,7 +370,7 @@ class Scheduler:
         return len(seqs)
 
     def _swappable(self, seq: Sequence) -> bool:
-        if self.cpu is None or self.preemption_mode == "recompute":
+        if self.kv.cpu_pool is None or self.preemption_mode == "recompute":
             return False
         return self.preemption_mode == "swap" or seq.num_computed_tokens >= AUTO_SWAP_MIN_TOKENS
 
@@ -255,7 +383,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Remove a sequence from whichever queue holds it and free its blocks at once."""
+        """Remove a sequence from whichever queue holds it and free its blocks at once; its
+        request leaves `groups` when this was its last unfinished sequence."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
@@ -266,6 +395,11 @@ class Scheduler:
             group.remove(seq)
             if not group:
                 self.swapped.remove(group)
-            self.kv.free_cpu(seq, self.cpu)
+            self.kv.free_cpu(seq)
         self.kv.free(seq)
         seq.status = status
+        seq.finish_time = time.monotonic()
+        self.finished_seq_ids.append(seq.seq_id)
+        group = self.groups.get(seq.request_id)
+        if group is not None and group.finished:
+            del self.groups[seq.request_id]

@@ -1,11 +1,14 @@
-"""A sequence: its tokens, how many of them have KV in the cache, and its block table."""
+"""A sequence: its tokens, how many of them have KV in the cache, and its block table; a request's
+group of sequences; and what a step adds to them (the scheduler's updates for the output processor)."""
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 
 from coordinator.sampling_params import SamplingParams
+from workers.step_plan import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -78,3 +81,65 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+class SequenceGroup:
+    """A request as the scheduler sees it: the sequences of its samples or beams.
+
+    A request starts as one sequence (`first`, the one that computes the prompt). With
+    n/best_of > 1 it forks into its samples once the prompt is computed (`first.fork_ids`
+    names them in advance); under beam search beams fork and end as the search goes, and
+    `beam` holds the search's state. `seqs` lists the live samples or beams, in output order.
+    """
+
+    __slots__ = ("request_id", "params", "first", "seqs", "beam", "pending_beam_logprobs")
+
+    def __init__(self, first: Sequence, beam=None):
+        self.request_id = first.request_id
+        self.params = first.params
+        self.first = first
+        self.seqs = [first]
+        self.beam = beam  # BeamState under beam search
+        self.pending_beam_logprobs: dict = {}  # beam seq_id -> this step's TokenLogprobs
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return not self.first.fork_ids and all(s.status.finished for s in self.seqs)
+
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int | None
+               ) -> SequenceStatus | None:
+    """Whether the token just appended ends `seq`, by its id or by a length limit."""
+    p = seq.params
+    n_out = seq.num_output_tokens
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return SequenceStatus.FINISHED_LENGTH
+    if max_model_len is not None and seq.num_tokens >= max_model_len:
+        return SequenceStatus.FINISHED_LENGTH
+    return None
+
+
+@dataclass(slots=True)
+class NewToken:
+    seq: Sequence
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(slots=True)
+class GroupUpdate:
+    """What one request gained in a step: the tokens appended to its sequences (new forks
+    included), and logprobs of prompt tokens. `sampled`: some sequence of it got a token."""
+
+    group: SequenceGroup
+    new_tokens: list[NewToken] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = field(default_factory=list)
+    sampled: bool = False

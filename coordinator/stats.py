@@ -1,9 +1,17 @@
-"""The engine's figures as one flat dict (LLM.stats(), GetStats)."""
+"""The engine's figures, taken per step rather than counted in the hot paths.
+
+Each step the scheduler takes a `SchedulerStats` snapshot (queues, pools, prefix cache,
+preemptions: gauges and lifetime counters) and the step fills an `IterationStats` (what it did:
+token counts, latencies, timings) that `EngineMetrics.record` folds into counters and
+histograms. `engine_stats` turns both into the one flat dict that `LLM.stats()`, GetStats and
+the Prometheus collector read. A snapshot is an immutable object replaced whole, so a reader on
+another thread (a scrape) never sees a half-updated one.
+"""
 
 from __future__ import annotations
 
-import math
 import sys
+from dataclasses import asdict, dataclass, field
 
 from coordinator.sequence import SequenceStatus
 
@@ -11,89 +19,114 @@ _INT_BYTES = 28  # a block id as a Python int object (counted as if none were sh
 _HASH_BYTES = sys.getsizeof(b"x" * 16)  # a 16-byte block hash as a bytes object
 
 
-def _percentile_us(samples_ns, q: float) -> float:
-    if not samples_ns:
-        return 0.0
-    ordered = sorted(samples_ns)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] / 1000.0  # nearest rank
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int = 0  # sequences (samples and beams count one each)
+    num_waiting: int = 0
+    num_swapped: int = 0  # groups
+    num_requests_running: int = 0  # requests, each once: running if any sequence runs,
+    num_requests_waiting: int = 0  # else swapped if any is swapped out, else waiting
+    num_requests_swapped: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_peak_used: int = 0
+    kv_fragmentation: float = 0.0
+    cpu_blocks_total: int = 0
+    cpu_blocks_used: int = 0
+    cpu_blocks_cached: int = 0  # CPU prefix tier (free blocks too)
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens, from either tier
+    cpu_prefix_cache_hits: int = 0  # tokens loaded from the KV store
+    cpu_prefix_cache_saved_blocks: int = 0
+    cpu_prefix_cache_loaded_blocks: int = 0
+    num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    num_steps: int = 0
 
 
-def request_states(engine) -> dict[str, int]:
-    """Requests in flight by state, each counted once: running if any of its sequences runs,
-    else swapped if any is swapped out, else waiting."""
-    counts = {"running": 0, "waiting": 0, "swapped": 0}
-    for req in list(engine.requests.values()):
-        states = {c.seq.status for c in req.completions}
-        if all(s.finished for s in states) and not req.seq.fork_ids:
-            continue  # counted as finished already, about to leave the table
+@dataclass(slots=True)
+class IterationStats:
+    """What one step (or an abort between steps) did, for EngineMetrics.record."""
+
+    num_prompt_tokens: int = 0  # of requests whose first token came this step
+    num_generation_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    queue_times: list[float] = field(default_factory=list)
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)  # of requests that ended
+    alloc_latencies_ns: list[int] = field(default_factory=list)  # sampled block allocations
+    step_seconds: float = 0.0  # 0: not a step
+    execute_seconds: float = 0.0  # executor.execute as the engine sees it
+    worker_seconds: float = 0.0  # of which rank 0 computed; the rest is dispatch overhead
+    swap_seconds: float = 0.0  # of which its swaps and CPU-tier transfers took
+
+
+def scheduler_stats(scheduler) -> SchedulerStats:
+    """A snapshot of the scheduler's queues and pools (called from the engine's own thread)."""
+    kv, pool, cpu = scheduler.kv, scheduler.kv.pool, scheduler.kv.cpu_pool
+    requests = {"running": 0, "waiting": 0, "swapped": 0}
+    for group in scheduler.groups.values():
+        states = {seq.status for seq in group.seqs}
         if SequenceStatus.RUNNING in states:
-            counts["running"] += 1
+            requests["running"] += 1
         elif SequenceStatus.SWAPPED in states:
-            counts["swapped"] += 1
+            requests["swapped"] += 1
         else:
-            counts["waiting"] += 1
-    return counts
+            requests["waiting"] += 1
+    prefix = kv.prefix_stats
+    return SchedulerStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_swapped=len(scheduler.swapped),
+        num_requests_running=requests["running"], num_requests_waiting=requests["waiting"],
+        num_requests_swapped=requests["swapped"],
+        kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used, kv_blocks_cached=pool.num_cached,
+        kv_blocks_peak_used=scheduler.peak_blocks_used, kv_fragmentation=kv.fragmentation(scheduler.running),
+        cpu_blocks_total=cpu.num_blocks if cpu else 0, cpu_blocks_used=cpu.num_used if cpu else 0,
+        cpu_blocks_cached=cpu.num_cached if cpu else 0,
+        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits, cpu_prefix_cache_hits=prefix.cpu_hits,
+        cpu_prefix_cache_saved_blocks=prefix.cpu_saved_blocks,
+        cpu_prefix_cache_loaded_blocks=prefix.cpu_loaded_blocks,
+        num_preemptions=scheduler.num_preemptions, num_swap_preemptions=scheduler.num_swap_preemptions,
+        swap_out_blocks=scheduler.swap_out_blocks, swap_in_blocks=scheduler.swap_in_blocks,
+        num_steps=scheduler.num_steps)
 
 
-def kv_metadata_bytes(engine) -> int:
+def kv_metadata_bytes(scheduler) -> int:
     """What the coordinator holds to manage the KV pool: every live sequence's block table and
     block hashes, and the allocator's per-block arrays, free queue and hash index."""
-    kv, pool = engine.kv, engine.kv.pool
-    total = sum(sys.getsizeof(x) for x in (pool.ref_counts, pool.block_hash, pool.free_queue, pool.cached,
-                                            kv.block_fill))
+    pool = scheduler.kv.pool
+    total = sum(sys.getsizeof(x) for x in (pool.ref_counts, pool.block_hash, pool.free_queue, pool.cached))
     total += pool.num_cached * (_HASH_BYTES + _INT_BYTES)
-    for req in list(engine.requests.values()):
-        for completion in req.completions:
-            seq = completion.seq
+    for group in list(scheduler.groups.values()):
+        for seq in list(group.seqs):
             total += sys.getsizeof(seq.block_table) + _INT_BYTES * len(seq.block_table)
             total += sys.getsizeof(seq.block_hashes) + _HASH_BYTES * len(seq.block_hashes)
     return total
 
 
 def engine_stats(engine) -> dict:
-    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
-    cpu = sched.cpu  # read once: a store restart may replace it meanwhile (a scrape's thread)
-    requests = request_states(engine)
+    """The flat dict of LLM.stats() and GetStats, from the latest snapshot and the metrics."""
+    s = engine.scheduler_stats
+    metrics = engine.metrics
     return {
-        "kv_blocks_total": pool.num_blocks,
-        "kv_blocks_used": pool.num_used,
-        "kv_blocks_cached": pool.num_cached,
-        "kv_blocks_peak_used": engine.peak_blocks_used,
-        "kv_usage": pool.num_used / pool.num_blocks,
-        "kv_fragmentation": kv.fragmentation(),
-        "prefix_cache_queries": kv.prefix_cache_queries,
-        "prefix_cache_hits": kv.prefix_cache_hits,  # tokens, from either tier
-        "cpu_prefix_cache_hits": kv.cpu_prefix_cache_hits,  # tokens loaded from the KV store
-        "cpu_prefix_cache_saved_blocks": kv.cpu_tier_saved_blocks,
-        "cpu_prefix_cache_loaded_blocks": kv.cpu_tier_loaded_blocks,
-        "num_preemptions": sched.num_preemptions,
-        "alloc_latency_us_p50": _percentile_us(pool.alloc_latency_ns, 0.50),
-        "alloc_latency_us_p99": _percentile_us(pool.alloc_latency_ns, 0.99),
-        "prompt_tokens": engine.num_prompt_tokens,
-        "generation_tokens": engine.num_generation_tokens,
-        "num_running": len(sched.running),  # sequences (samples and beams count one each)
-        "num_waiting": len(sched.waiting),
-        "num_swapped": len(sched.swapped),  # groups
-        "num_requests_running": requests["running"],
-        "num_requests_waiting": requests["waiting"],
-        "num_requests_swapped": requests["swapped"],
-        "kv_blocks_free": pool.num_free,
+        **asdict(s),
+        "kv_usage": s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+        "kv_blocks_free": s.kv_blocks_total - s.kv_blocks_used,
+        "cpu_kv_usage": s.cpu_blocks_used / s.cpu_blocks_total if s.cpu_blocks_total else 0.0,
+        "num_recompute_preemptions": s.num_preemptions - s.num_swap_preemptions,
+        "swap_out_bytes": s.swap_out_blocks * engine.swap_block_bytes,
+        "swap_in_bytes": s.swap_in_blocks * engine.swap_block_bytes,
         "kv_pool_bytes": engine.kv_pool_bytes,
-        "kv_metadata_bytes": kv_metadata_bytes(engine),
-        "cpu_kv_usage": cpu.num_used / cpu.num_blocks if cpu else 0.0,
-        "num_swap_preemptions": sched.num_swap_preemptions,
-        "num_recompute_preemptions": sched.num_preemptions - sched.num_swap_preemptions,
-        "num_steps": engine.num_steps,
-        "swap_out_blocks": sched.swap_out_blocks,
-        "swap_in_blocks": sched.swap_in_blocks,
-        "swap_out_bytes": sched.swap_out_blocks * engine.swap_block_bytes,
-        "swap_in_bytes": sched.swap_in_blocks * engine.swap_block_bytes,
-        "cpu_blocks_total": cpu.num_blocks if cpu else 0,
-        "cpu_blocks_used": cpu.num_used if cpu else 0,
-        "cpu_blocks_cached": cpu.num_cached if cpu else 0,  # CPU prefix tier (free too)
+        "kv_metadata_bytes": kv_metadata_bytes(engine.scheduler),
         "kv_store_restarts": engine.kv_store_restarts,
+        "prompt_tokens": metrics.num_prompt_tokens,
+        "generation_tokens": metrics.num_generation_tokens,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (
-            1e6 * (engine.execute_seconds - engine.worker_seconds) / max(1, engine.num_steps)),
-        **engine.metrics.summary(),
+            1e6 * (metrics.execute_seconds - metrics.worker_seconds) / max(1, s.num_steps)),
+        **metrics.summary(),
     }

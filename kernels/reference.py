@@ -33,8 +33,6 @@ class _Group:
     token_index: torch.Tensor  # [G, Qmax] flat token index of each query row
     block_tables: torch.Tensor | None  # [G, max_blocks]; None: attend to the step's own K/V
     mask: torch.Tensor | None  # [G, 1, Qmax, max_blocks * block_size] bool; None: plain causal
-    # Set for the single decode group of the C backend, which reads the cache in place.
-    context_lens: torch.Tensor | None = None  # [G] int32
 
 
 @dataclass(slots=True)
@@ -42,15 +40,18 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of each new token's slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
     groups: list[_Group]
-    # Optional reusable buffer (any shape, the cache's dtype) for the gathered context blocks:
-    # a fresh tensor of tens of MiB per layer costs more in page faults than the copy itself
-    # (measured: 12.7 ms vs 1.5 ms for a 34 MiB gather).
-    workspace: torch.Tensor | None = None
+    backend: TorchBackend | None = None  # the one that built it: model layers call through it
 
     @property
     def max_gathered_blocks(self) -> int:
-        return max((g.block_tables.numel() for g in self.groups
-                    if g.block_tables is not None and g.context_lens is None), default=0)
+        return max((g.block_tables.numel() for g in self.groups if g.block_tables is not None), default=0)
+
+    def to(self, device) -> AttentionMetadata:
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        groups = [_Group(move(g.token_index), move(g.block_tables), move(g.mask)) for g in self.groups]
+        return AttentionMetadata(move(self.slot_blocks), move(self.slot_offsets), groups, self.backend)
 
 
 def _group_decodes(context_lens: list[int], decodes: list[int], max_gather_tokens: int) -> list[list[int]]:
@@ -80,6 +81,44 @@ def _paged_group(seq_idx: list[int], query_start, query_lens, context_lens, bloc
     return _Group(token_index, block_tables[idx, :num_blocks].long(), mask[:, None])
 
 
+def query_starts(query_lens: torch.Tensor) -> torch.Tensor:
+    """Flat index of each sequence's first new token."""
+    starts = torch.zeros_like(query_lens)
+    starts[1:] = torch.cumsum(query_lens, 0)[:-1]
+    return starts
+
+
+def decode_groups(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  block_size: int, max_gather_tokens: int) -> list[_Group]:
+    """The decodes (query_len 1), batched by `_group_decodes`; int64 lens in."""
+    decodes = [i for i, q in enumerate(query_lens.tolist()) if q == 1]
+    query_start = query_starts(query_lens)
+    return [_paged_group(idx, query_start, query_lens, context_lens, block_tables, block_size)
+            for idx in _group_decodes(context_lens.tolist(), decodes, max_gather_tokens)]
+
+
+def prefill_groups(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> list[_Group]:
+    """One group per prefill (query_len > 1): a fresh one attends to its own K/V, a chunk over
+    cached context gathers it; int64 lens in."""
+    query_start = query_starts(query_lens)
+    groups = []
+    for i, (q, ctx, start) in enumerate(zip(query_lens.tolist(), context_lens.tolist(), query_start.tolist())):
+        if q == 1:
+            continue
+        if ctx == q:
+            groups.append(_Group(torch.arange(start, start + q)[None, :], None, None))
+        else:
+            groups.append(_paged_group([i], query_start, query_lens, context_lens, block_tables, block_size))
+    return groups
+
+
+def metadata_for(groups: list[_Group], slot_mapping: torch.Tensor, block_size: int) -> AttentionMetadata:
+    slot_mapping = slot_mapping.long()
+    return AttentionMetadata(torch.div(slot_mapping, block_size, rounding_mode="floor"), slot_mapping % block_size,
+                             groups)
+
+
 def build_attention_metadata(
     query_lens: torch.Tensor,
     context_lens: torch.Tensor,
@@ -87,36 +126,12 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     max_gather_tokens: int = 1 << 30,
-    cpu_decode_kernel: bool = False,
 ) -> AttentionMetadata:
-    """Precompute what every layer's `write_kv` and `paged_attention` need for one step.
-    With `cpu_decode_kernel`, all decodes form one group for the C kernel (`kernels.cpu`)."""
-    query_lens = query_lens.long()
-    context_lens = context_lens.long()
-    query_start = torch.zeros_like(query_lens)
-    query_start[1:] = torch.cumsum(query_lens, 0)[:-1]
-    q_list, ctx_list, start_list = query_lens.tolist(), context_lens.tolist(), query_start.tolist()
-    decodes = [i for i, q in enumerate(q_list) if q == 1]
-    if cpu_decode_kernel and decodes:
-        idx = torch.tensor(decodes)
-        groups = [_Group(query_start[idx][:, None], block_tables[idx].to(torch.int32).contiguous(), None,
-                         context_lens[idx].to(torch.int32).contiguous())]
-    else:
-        groups = [_paged_group(idx, query_start, query_lens, context_lens, block_tables, block_size)
-                  for idx in _group_decodes(ctx_list, decodes, max_gather_tokens)]
-    for i, q in enumerate(q_list):
-        if q == 1:
-            continue
-        if ctx_list[i] == q:
-            groups.append(_Group(torch.arange(start_list[i], start_list[i] + q)[None, :], None, None))
-        else:
-            groups.append(_paged_group([i], query_start, query_lens, context_lens, block_tables, block_size))
-    slot_mapping = slot_mapping.long()
-    return AttentionMetadata(
-        slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
-        slot_offsets=slot_mapping % block_size,
-        groups=groups,
-    )
+    """Precompute what every layer's `write_kv` and `paged_attention` need for one step."""
+    query_lens, context_lens = query_lens.long(), context_lens.long()
+    groups = (decode_groups(query_lens, context_lens, block_tables, block_size, max_gather_tokens)
+              + prefill_groups(query_lens, context_lens, block_tables, block_size))
+    return metadata_for(groups, slot_mapping, block_size)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -146,10 +161,13 @@ def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of `query` (`[T, heads, head_dim]`) over each sequence's paged context.
     `key`/`value` are the step's own new K/V (`[T, kv_heads, head_dim]`), already written to
-    the cache; fresh prefills attend to them directly."""
+    the cache; fresh prefills attend to them directly. Rows of tokens in no group are left
+    unset (the cpu backend fills its decodes' rows itself). `workspace`: a reusable buffer (the
+    cache's dtype) for the gathered context blocks: a fresh tensor of tens of MiB per layer costs
+    more in page faults than the copy itself (measured: 12.7 ms vs 1.5 ms for a 34 MiB gather)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     rep = num_heads // num_kv_heads
@@ -163,15 +181,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
             out[first:last] = o[0].transpose(0, 1)
             continue
-        if g.context_lens is not None:  # decodes on the C kernel: no gather
-            from kernels import cpu
-
-            rows = g.token_index[:, 0]
-            o = torch.empty(n_seq, num_heads, head_dim, dtype=query.dtype)
-            cpu.decode_attention(o, query[rows].contiguous(), kv_cache, g.block_tables, g.context_lens, scale)
-            out[rows] = o
-            continue
-        k, v = _gather_blocks(kv_cache, g.block_tables, meta.workspace)
+        k, v = _gather_blocks(kv_cache, g.block_tables, workspace)
         if q_max == 1:
             # Decodes: the `rep` query heads sharing a KV head become `rep` query rows of it
             # (one mask row serves them all), so each KV head's context is read once.
@@ -183,3 +193,33 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=rep > 1)
             out[g.token_index[0]] = o[0].transpose(0, 1)
     return out
+
+
+class TorchBackend:
+    """The reference as a backend: runs on any device (metadata is moved there once per step),
+    and owns the gather buffer that every layer and step reuse (it grows, never shrinks)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device(device)
+        self._workspace: torch.Tensor | None = None
+
+    def build_metadata(self, query_lens, context_lens, block_tables, slot_mapping, block_size: int,
+                       max_gather_tokens: int = 1 << 30) -> AttentionMetadata:
+        meta = build_attention_metadata(query_lens, context_lens, block_tables, slot_mapping, block_size,
+                                        max_gather_tokens)
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
+        meta.backend = self
+        return meta
+
+    def write_kv(self, key, value, kv_cache, meta: AttentionMetadata) -> None:
+        write_kv(key, value, kv_cache, meta)
+
+    def paged_attention(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        need = meta.max_gathered_blocks * kv_cache[0].numel()  # K and V of each gathered block
+        ws = self._workspace
+        if need and (ws is None or ws.numel() < need or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device):
+            ws = self._workspace = torch.empty(need + need // 4, dtype=kv_cache.dtype, device=kv_cache.device)
+        return paged_attention(query, key, value, kv_cache, meta, scale, ws)

@@ -1,5 +1,6 @@
 """The KV store over gRPC: the store serves its pool (`KVStoreService`), and a worker that cannot
-map the segment swaps through `GrpcSwapSpace` (the same interface as the shared-memory one).
+map the segment swaps through `GrpcSwapSpace` (kvstore/swap_space.py's `SwapSpace`, as the
+shared-memory one).
 
 Data moves as raw bytes in chunks of at most CHUNK_BYTES; headers and manifests are msgpack. Every
 chunk is checked against the pool's layout before a byte is written.
@@ -215,7 +216,7 @@ def serve(layout: StoreLayout, valid: np.ndarray, data: np.ndarray, host: str) -
 
 
 class GrpcSwapSpace:
-    """A rank's swaps through the store's gRPC service (the interface of SwapSpace)."""
+    """A rank's swaps through the store's gRPC service (a `kvstore.swap_space.SwapSpace`)."""
 
     def __init__(self, layout: StoreLayout, rank: int, kv_cache, address: str):
         import torch
@@ -262,7 +263,7 @@ class GrpcSwapSpace:
                 self._kv_bytes[d].copy_(torch.from_numpy(rows[c]))
 
     def finish(self) -> None:
-        """Every call returns once its data has moved: nothing to wait for (SwapSpace's interface)."""
+        """Every call returns once its data has moved: nothing to wait for."""
 
     def close(self) -> None:
         self._channel.close()

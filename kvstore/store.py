@@ -12,6 +12,7 @@ and only moves ids; the data never passes through it.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -25,6 +26,9 @@ class StoreLayout:
     num_blocks: int
     tp_size: int
     block_bytes: int  # per rank
+    # The process that created the segment: its resource tracker holds the segment's only
+    # registration, which `attach` keeps there and drops in every other process.
+    owner_pid: int
     transport: str = "shm"  # how workers reach the pool: "shm" (map the segment) or "grpc"
     grpc_address: str = ""  # host:port of the store's KVStore service, with transport "grpc"
 
@@ -47,9 +51,6 @@ class StoreLayout:
             raise ValueError(f"a block shard is {self.block_bytes} bytes; got {nbytes}")
 
 
-_OWNED: set[str] = set()  # segments created by a store in this process
-
-
 def check_device_blocks(blocks, num_blocks: int) -> None:
     """A worker's own half of a swap request: its device block ids must lie in its cache."""
     bad = [b for b in blocks if not 0 <= b < num_blocks]
@@ -62,8 +63,10 @@ def attach(layout: StoreLayout) -> tuple[shared_memory.SharedMemory, np.ndarray,
     shm = shared_memory.SharedMemory(name=layout.segment)
     # Python 3.11 registers attached segments with its resource tracker, which would unlink the
     # store's segment when this process exits: only the store owns it. (A store in this same
-    # process shares the registration, which its own unlink removes.)
-    if layout.segment not in _OWNED:
+    # process shares the registration, which its own unlink removes.) A multiprocessing child of
+    # the store's process would share its tracker too, and drop the store's registration here:
+    # pagedserve starts none (Ray workers and the store actor each have their own tracker).
+    if os.getpid() != layout.owner_pid:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
     return shm, *_views(shm, layout)
 
@@ -107,10 +110,9 @@ class KVStore:
         if transport not in ("shm", "grpc"):
             raise ValueError(f"kv_transport must be shm or grpc here; got {transport!r}")
         name = f"pagedserve-kv-{secrets.token_hex(6)}"
-        self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes)
+        self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes, owner_pid=os.getpid())
         # SharedMemory creates with mode 0600: only this user's processes can map it.
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.layout.size)
-        _OWNED.add(name)
         self._valid, self._data = _views(self._shm, self.layout)
         self._valid[:] = 0
         self._server = None
@@ -148,7 +150,6 @@ class KVStore:
         if self._shm is not None:
             self._valid = self._data = None
             self._shm.unlink()  # the name goes now; the memory when the last mapping does
-            _OWNED.discard(self.layout.segment)
             try:
                 self._shm.close()
             except BufferError:

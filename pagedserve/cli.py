@@ -208,13 +208,12 @@ def run_demo(config: EngineConfig, prompts: list[str], max_tokens: int) -> dict:
     from coordinator.sampling_params import SamplingParams
 
     print(f"loading {config.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(config)
+    engine = LLMEngine.from_config(config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    chat = engine.input_processor.has_chat_template
     for i, prompt in enumerate(prompts):
-        if engine.has_chat_template:
-            engine.add_request(str(i), None, engine.chat_prompt_ids([{"role": "user", "content": prompt}]), params)
-        else:
-            engine.add_request(str(i), prompt, None, params)
+        messages = [{"role": "user", "content": prompt}] if chat else None
+        engine.add_request(str(i), None if chat else prompt, None, params, messages=messages)
     texts = {str(i): "" for i in range(len(prompts))}
     start = time.monotonic()
     while engine.has_unfinished_requests():

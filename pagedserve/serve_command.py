@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 
 def _err(message: str) -> None:
@@ -107,9 +108,19 @@ def _end_actor(actor) -> None:
     ray.kill(actor)
 
 
+def _server_options(args, api_key: str | None) -> ServerOptions:
+    """The front door's options from the flags, checked before Ray starts (ValueError)."""
+    tls = _read_tls(args)
+    cert, key = tls if tls else (None, None)
+    metrics_port = None if args.no_metrics else args.metrics_port
+    return ServerOptions(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+                         api_key=api_key, tls_cert=cert, tls_key=key, metrics_host=args.metrics_host,
+                         metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics)
+
+
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
     try:
-        tls = _read_tls(args)
+        server_options = _server_options(args, api_key)
     except ValueError as e:
         _err(f"error: {e}")
         return 2
@@ -135,12 +146,8 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
                  f"{NAMESPACE!r}); stop it first with `pagedserve stop`")
             return 1
         _err(f"loading {config.model} ...")
-        cert, key = tls if tls else (None, None)
         try:
-            metrics_port = None if args.no_metrics else args.metrics_port
-            port = ray.get(actor.start.remote(config_dict(config), args.host, args.port, args.max_queued_requests,
-                                              api_key, cert, key, False, args.metrics_host, metrics_port,
-                                              metrics_port is None and not args.no_metrics))
+            port = ray.get(actor.start.remote(config_dict(config), server_options, wait=False))
             _err(f"bound {_hostport(args.host, port)}; health says NOT_SERVING until the model is loaded")
             ray.get(actor.wait_ready.remote())
         except ray.exceptions.RayError as e:
@@ -149,7 +156,8 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         status = ray.get(actor.status.remote())
         if "metrics_port" in status:
             _err(f"Prometheus metrics on http://{_hostport(args.metrics_host, status['metrics_port'])}/metrics")
-        notes = [n for n, on in (("TLS", tls is not None), ("API key required", bool(api_key))) if on]
+        notes = [n for n, on in (("TLS", server_options.tls is not None), ("API key required", bool(api_key)))
+                 if on]
         print(f"serving {config.model} on {_hostport(args.host, port)}" + (f" ({', '.join(notes)})" if notes else ""),
               flush=True)
         if args.detach:

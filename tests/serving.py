@@ -7,15 +7,18 @@ import contextlib
 import ray
 
 from coordinator.actor import CoordinatorActor, config_dict
+from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 
 
 @contextlib.contextmanager
-def running_coordinator(config: EngineConfig, **start_kwargs):
-    """Yields (actor, "127.0.0.1:port") once it serves; shuts it down after."""
+def running_coordinator(config: EngineConfig, **options):
+    """Yields (actor, "127.0.0.1:port") once it serves; shuts it down after. `options`: ServerOptions
+    fields (host 127.0.0.1 and a free port unless given)."""
     actor = CoordinatorActor.remote()
     try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0, **start_kwargs), timeout=180)
+        options = ServerOptions(**{"host": "127.0.0.1", "port": 0, **options})
+        port = ray.get(actor.start.remote(config_dict(config), options), timeout=180)
         yield actor, f"127.0.0.1:{port}"
     finally:
         ray.get(actor.shutdown.remote(), timeout=60)

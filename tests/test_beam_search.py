@@ -59,16 +59,16 @@ def test_length_penalty_and_early_stopping_follow_transformers(tiny_llama, hf):
 
 def test_beams_share_blocks_and_dropped_beams_free_theirs_at_once(tiny_llama):
     with LLM(tiny_llama, kv_cache_memory=1 << 24, block_size=16, enable_prefix_caching=False) as llm:
-        engine, pool = llm.engine, llm.engine.kv.pool
+        engine, pool = llm.engine, llm.engine.scheduler.kv.pool
         engine.add_request("b", None, _prompt(100, seed=8), SamplingParams(use_beam_search=True, beam_width=4,
                                                                            max_tokens=30, ignore_eos=True))
         seen_shared = False
         while engine.has_unfinished_requests():
             engine.step()
-            req = engine.requests.get("b")
-            if req is None:
+            group = engine.scheduler.groups.get("b")
+            if group is None:
                 break
-            beams = [c.seq for c in req.completions]
+            beams = group.seqs
             assert len(beams) <= 4
             held = {b for s in beams for b in s.block_table}
             assert pool.num_used == len(held)  # no block outlives the beams that held it

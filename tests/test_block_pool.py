@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.block_pool import BlockPool, NoFreeBlocksError
+from coordinator.block_pool import ALLOC_SAMPLE_EVERY, BlockPool, NoFreeBlocksError
 
 H1, H2, H3 = b"hash-one", b"hash-two", b"hash-three"
 
@@ -255,9 +255,26 @@ def test_every_block_allocated_exactly_once_before_exhaustion():
         pool.allocate()
 
 
-def test_allocation_latency_is_recorded_per_allocation():
-    pool = BlockPool(3)
-    pool.allocate()
-    pool.allocate()
-    assert len(pool.alloc_latency_ns) == 2
-    assert all(ns >= 0 for ns in pool.alloc_latency_ns)
+def test_allocation_latency_is_sampled_first_then_every_nth_allocation():
+    assert ALLOC_SAMPLE_EVERY > 1
+    pool = BlockPool(3 * ALLOC_SAMPLE_EVERY + 1)
+    pool.allocate()  # the first allocation is sampled
+    assert len(pool.alloc_latency_samples_ns) == 1
+    for n in range(2, 3 * ALLOC_SAMPLE_EVERY + 2):
+        pool.allocate()
+        # Allocations 1, 1 + N, 1 + 2N, ... are timed; none in between.
+        assert len(pool.alloc_latency_samples_ns) == 1 + (n - 1) // ALLOC_SAMPLE_EVERY, n
+    assert len(pool.alloc_latency_samples_ns) == 4
+    assert all(isinstance(ns, int) and ns >= 0 for ns in pool.alloc_latency_samples_ns)
+
+
+def test_take_latency_samples_returns_and_empties_the_samples():
+    pool = BlockPool(ALLOC_SAMPLE_EVERY + 2)
+    for _ in range(ALLOC_SAMPLE_EVERY + 1):  # allocations 1 and 1 + N are sampled
+        pool.allocate()
+    samples = pool.take_latency_samples()
+    assert len(samples) == 2 and all(ns >= 0 for ns in samples)
+    assert pool.alloc_latency_samples_ns == [] and pool.take_latency_samples() == []
+    assert samples is not pool.alloc_latency_samples_ns
+    pool.allocate()  # allocation 2 + N: not sampled; the count goes on across takes
+    assert pool.take_latency_samples() == []

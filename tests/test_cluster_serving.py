@@ -15,6 +15,7 @@ import ray
 
 import pagedserve
 from coordinator.actor import CoordinatorActor, config_dict
+from coordinator.server_options import ServerOptions
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from tests.serving import running_coordinator
@@ -105,7 +106,7 @@ def test_a_killed_worker_fails_its_streams_and_turns_health_off(ray_session, tin
     config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, **ENGINE)
     actor = CoordinatorActor.remote()
     try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=180)
+        port = ray.get(actor.start.remote(config_dict(config), ServerOptions(port=0)), timeout=180)
         pids = ray.get(actor.worker_pids.remote())
         assert len(pids) == 2
         with pagedserve.Client(f"127.0.0.1:{port}", timeout=60) as client:

@@ -6,6 +6,7 @@ import ray
 
 import pagedserve
 from coordinator.actor import CoordinatorActor, config_dict
+from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 
 
@@ -13,7 +14,7 @@ def test_coordinator_actor_serves_the_same_tokens_as_the_offline_api(ray_session
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 24)
     actor = CoordinatorActor.remote()
     try:
-        port = ray.get(actor.start.remote(config_dict(config), "127.0.0.1", 0), timeout=120)
+        port = ray.get(actor.start.remote(config_dict(config), ServerOptions(port=0)), timeout=120)
         with pagedserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.health()
             served = client.generate([11, 12, 13], max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -34,7 +35,7 @@ def test_coordinator_binds_first_and_stays_not_serving_when_the_model_fails_to_l
     config = config_dict(EngineConfig(model=str(tmp_path / "no-such-model"), kv_cache_memory=1 << 24))
     actor = CoordinatorActor.remote()
     try:
-        port = ray.get(actor.start.remote(config, "127.0.0.1", 0, wait=False), timeout=60)
+        port = ray.get(actor.start.remote(config, ServerOptions(port=0), wait=False), timeout=60)
         with pytest.raises(ValueError, match="no-such-model"):
             ray.get(actor.wait_ready.remote(), timeout=60)
         status = ray.get(actor.status.remote())

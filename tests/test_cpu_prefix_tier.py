@@ -19,16 +19,34 @@ BS = 4
 
 def _computed(kv: KVCacheManager, seq, num_tokens: int) -> None:
     """As the engine after a step: the sequence's first `num_tokens` have their K/V written."""
-    old = seq.num_computed_tokens
     seq.num_computed_tokens = num_tokens
-    kv.commit_computed(seq, old)
+    kv.commit_computed(seq)
 
 
 def _tier(num_blocks: int, num_cpu_blocks: int) -> tuple[KVCacheManager, CpuBlockPool]:
-    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, watermark=0.0)
     cpu = CpuBlockPool(num_cpu_blocks)
-    kv.attach_cpu_tier(cpu)
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True, watermark=0.0, cpu_pool=cpu)
+    assert kv.cpu_pool is cpu and kv.cpu_tier_enabled
     return kv, cpu
+
+
+def test_the_cpu_pool_backs_the_prefix_cache_only_with_prefix_caching():
+    cpu = CpuBlockPool(2)
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False, cpu_pool=cpu)
+    assert kv.cpu_pool is cpu and not kv.cpu_tier_enabled  # swap preemption only
+    assert kv.pool.evicted is None
+    a = make_seq(0, 9)
+    assert kv.allocate_slots(a, 9)
+    _computed(kv, a, 9)
+    assert kv.get_cpu_tier_blocks(a, 0) == [] and kv.save_evicted() == []
+
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True)
+    assert kv.cpu_pool is None and not kv.cpu_tier_enabled and kv.pool.evicted is None
+    kv.end_step()  # nothing to release without a pool
+    kv.replace_cpu_pool(cpu)  # a (new) store
+    assert kv.cpu_pool is cpu and kv.cpu_tier_enabled and kv.pool.evicted == []
+    kv.replace_cpu_pool(None)  # the store died, none replaces it
+    assert kv.cpu_pool is None and not kv.cpu_tier_enabled and kv.pool.evicted is None
 
 
 def test_evicted_cached_blocks_are_saved_and_loaded_back_instead_of_recomputed():
@@ -45,7 +63,8 @@ def test_evicted_cached_blocks_are_saved_and_loaded_back_instead_of_recomputed()
     saves = kv.save_evicted()
     assert sorted(d for d, _ in saves) == sorted(a_blocks)
     assert cpu.num_cached == 3 and cpu.num_used == 3  # held until the step has written them
-    cpu.end_step()
+    assert kv.prefix_stats.cpu_saved_blocks == 3
+    kv.end_step()  # the manager ends its CPU pool's step
     assert cpu.num_used == 0 and cpu.num_free == 8
     kv.free(b)
 
@@ -61,7 +80,7 @@ def test_evicted_cached_blocks_are_saved_and_loaded_back_instead_of_recomputed()
     cpu.end_step()
     # The loaded blocks are device cache entries again, and stay in the CPU tier too.
     assert kv.get_computed_blocks(make_seq(3, a.token_ids[:13])) == again.block_table[:3]
-    assert cpu.num_cached == 3 and kv.cpu_tier_loaded_blocks == 3
+    assert cpu.num_cached == 3 and kv.prefix_stats.cpu_loaded_blocks == 3
 
 
 def test_a_cpu_block_loaded_this_step_is_not_overwritten_by_a_save_in_the_same_step():
@@ -89,16 +108,14 @@ def test_a_cpu_block_loaded_this_step_is_not_overwritten_by_a_save_in_the_same_s
 
 
 def test_a_swapped_groups_cpu_blocks_are_not_reused_by_a_save_in_the_step_that_reads_them():
-    kv = KVCacheManager(4, BS, enable_prefix_caching=True, watermark=0.0)
     cpu = CpuBlockPool(2)
-    sched = Scheduler(kv, 8, 64, True, cpu=cpu, preemption_mode="swap")
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True, watermark=0.0, cpu_pool=cpu)
+    sched = Scheduler(kv, 8, 64, True, preemption_mode="swap")
     a, b = make_seq(1, 8), make_seq(2, 7)
     sched.add(a)
     sched.add(b)
-    run_step(sched)
-    sched.end_step()
+    run_step(sched)  # (run_step ends each step: kv.end_step)
     out = run_step(sched)  # a grows into a third block: b is swapped out
-    sched.end_step()
     assert b.status is SequenceStatus.SWAPPED and len(out.swap_out) == 2 and cpu.num_free == 0
     sched.finish(a, SequenceStatus.FINISHED_LENGTH)  # a's 2 full blocks stay cached on the device
     out = run_step(sched)  # b comes back onto a's cached blocks, evicting them
@@ -107,13 +124,12 @@ def test_a_swapped_groups_cpu_blocks_are_not_reused_by_a_save_in_the_step_that_r
     # b's CPU blocks are freed by this step but read by it: a's evicted blocks find no room.
     assert not any(c in swapped_in for _, c in out.swap_out)
     assert out.swap_out == []
-    sched.end_step()
-    assert cpu.num_used == 0
+    assert cpu.num_used == 0  # run_step ended the step: b's CPU blocks are released
 
 
 def test_swap_preemption_takes_cpu_blocks_from_the_tier():
     kv, cpu = _tier(num_blocks=4, num_cpu_blocks=2)
-    sched = Scheduler(kv, 8, 64, True, cpu=cpu, preemption_mode="swap")
+    sched = Scheduler(kv, 8, 64, True, preemption_mode="swap")
     cached = make_seq(0, 9)
     assert kv.allocate_slots(cached, 9)
     _computed(kv, cached, 9)
@@ -127,10 +143,8 @@ def test_swap_preemption_takes_cpu_blocks_from_the_tier():
     a, b = make_seq(2, 8), make_seq(3, 7)
     sched.add(a)
     sched.add(b)
-    run_step(sched)
-    sched.end_step()
+    run_step(sched)  # (run_step ends each step: kv.end_step)
     run_step(sched)  # b swaps out into the two CPU blocks the tier held
-    sched.end_step()
     assert b.status is SequenceStatus.SWAPPED and cpu.num_used == 2 and cpu.num_cached == 0
 
 
@@ -144,12 +158,12 @@ def test_a_prefix_evicted_from_the_device_is_served_from_the_cpu_tier(tiny_llama
         want = _generate(roomy, [first], max_new=8)
     with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, kv_transport=transport,
              max_num_batched_tokens=128) as llm:
-        assert llm.engine.kv.cpu_tier is not None
+        assert llm.engine.scheduler.kv.cpu_tier_enabled
         assert _generate(llm, [first], max_new=8) == want
         _generate(llm, others, max_new=8)  # 24 device blocks: the first prompt's are evicted
         stats = llm.stats()
         assert stats["cpu_blocks_cached"] > 0 and stats["cpu_prefix_cache_hits"] == 0
-        assert llm.engine.kv.get_computed_blocks(make_seq(99, first)) == []  # gone from the device
+        assert llm.engine.scheduler.kv.get_computed_blocks(make_seq(99, first)) == []  # gone from the device
         assert _generate(llm, [first], max_new=8) == want
         after = llm.stats()
         # All 6 full blocks came back from the CPU tier (nothing on the device held them).
@@ -160,8 +174,8 @@ def test_a_prefix_evicted_from_the_device_is_served_from_the_cpu_tier(tiny_llama
 
 def test_no_cpu_tier_without_prefix_caching_or_store(tiny_llama):
     with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, enable_prefix_caching=False) as llm:
-        assert llm.engine.kv.cpu_tier is None
+        assert not llm.engine.scheduler.kv.cpu_tier_enabled
         _generate(llm, _prompts(6, seed=6, low=80, high=90), max_new=4)
         assert llm.stats()["cpu_blocks_cached"] == 0
     with LLM(tiny_llama, kv_cache_memory=TIGHT) as llm:
-        assert llm.engine.kv.cpu_tier is None and llm.stats()["cpu_blocks_total"] == 0
+        assert not llm.engine.scheduler.kv.cpu_tier_enabled and llm.stats()["cpu_blocks_total"] == 0

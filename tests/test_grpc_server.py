@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from coordinator.async_engine import AsyncEngine
-from coordinator.grpc_server import start_server
+from coordinator.grpc_server import GRPC_CODES, start_server
+from coordinator.server_state import KINDS
 from pagedserve import LLM, SamplingParams
 from pagedserve.v1 import serving_pb2 as pb
 from pagedserve.v1 import serving_pb2_grpc
@@ -151,6 +152,11 @@ def test_health_is_serving_and_stats_have_the_engine_fields(server, stub):
     assert {"kv_blocks_total", "kv_usage", "prefix_cache_hits", "num_waiting", "num_queued"} <= set(stats)
     assert {"swap_out_blocks", "swap_in_blocks", "swap_out_bytes", "swap_in_bytes", "cpu_blocks_total",
             "cpu_blocks_used", "cpu_blocks_cached", "cpu_prefix_cache_hits", "kv_store_restarts"} <= set(stats)
+
+
+def test_every_status_kind_has_one_grpc_code():
+    assert set(GRPC_CODES) == set(KINDS)
+    assert GRPC_CODES["queue_full"] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_full_queue_is_resource_exhausted(llm):

@@ -27,9 +27,8 @@ def make_seq(tokens, seq_id=None) -> Sequence:
 def compute(kv: KVCacheManager, seq: Sequence, n: int, sampled: int = 99) -> None:
     """The engine's side of a step whose slots are already allocated: write K/V for `n` tokens,
     commit, and sample a token when the sequence caught up."""
-    old = seq.num_computed_tokens
     seq.num_computed_tokens += n
-    kv.commit_computed(seq, old)
+    kv.commit_computed(seq)
     if seq.num_computed_tokens == seq.num_tokens:
         seq.token_ids.append(sampled)
 
@@ -53,7 +52,7 @@ def admit(kv: KVCacheManager, seq: Sequence, sampled: int = 99) -> list[int]:
 def manager_state(kv: KVCacheManager, *seqs: Sequence):
     pool = kv.pool
     return (list(pool.free_queue), list(pool.ref_counts), list(pool.block_hash), dict(pool.cached),
-            list(kv.block_fill), kv.filled_slots, list(kv.pending_copies),
+            list(kv.pending_copies),
             [(list(s.block_table), s.num_computed_tokens, len(s.block_hashes)) for s in seqs])
 
 
@@ -120,7 +119,7 @@ def test_fork_shares_every_block_and_increments_ref_counts():
     assert kv.pool.ref_counts[:3] == [2, 2, 0]
     assert child.num_computed_tokens == 6
     assert kv.pool.num_used == 2
-    assert kv.filled_slots == 6  # shared slots count once
+    assert kv.num_filled_slots([parent, child]) == 6  # shared slots count once
     assert kv.drain_copies() == []
 
 
@@ -132,10 +131,10 @@ def test_append_into_shared_partial_block_copies_it_once():
     assert parent.block_table == [0, 2]
     assert child.block_table == [0, 1]
     assert kv.pool.ref_counts[:3] == [2, 1, 1]
-    assert kv.block_fill[2] == 2  # the copy carries the two tokens already written
-    assert kv.filled_slots == 4 + 2 + 2
+    # The copy (block 2) carries the two tokens already written, as block 1 still does.
+    assert kv.num_filled_slots([parent, child]) == 4 + 2 + 2
     compute(kv, parent, 1)
-    assert kv.filled_slots == 4 + 2 + 3
+    assert kv.num_filled_slots([parent, child]) == 4 + 2 + 3
     # Second write by the parent: its block is private now, no copy.
     assert kv.allocate_slots(parent, 1)
     assert kv.drain_copies() == []
@@ -194,9 +193,9 @@ def test_freeing_forked_child_leaves_parent_blocks_alive():
     assert child.block_table == [] and child.num_computed_tokens == 0
     assert kv.pool.ref_counts[:2] == [1, 1]
     assert kv.pool.num_used == 2
-    assert kv.filled_slots == 6
+    assert kv.num_filled_slots([parent]) == 6
     kv.free(parent)
-    assert kv.pool.num_used == 0 and kv.filled_slots == 0
+    assert kv.pool.num_used == 0 and kv.num_filled_slots([]) == 0
 
 
 # ---- prefix cache ------------------------------------------------------------------------------
@@ -273,7 +272,7 @@ def test_prefix_hit_on_running_sequence_shares_blocks_and_skips_tokens():
     assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]
     compute(kv, b, 3)
     assert b.num_computed_tokens == 11
-    assert kv.filled_slots == 10 + 3  # the shared full blocks count once
+    assert kv.num_filled_slots([a, b]) == 10 + 3  # the shared full blocks count once
 
 
 def test_freed_cached_blocks_are_reused_by_a_later_request():
@@ -283,7 +282,7 @@ def test_freed_cached_blocks_are_reused_by_a_later_request():
     kv.free(a)
     # Block 2 (partial, unhashed) at the head; cached 1 then 0 at the tail (tail freed first).
     assert list(kv.pool.free_queue) == [2, 3, 4, 5, 6, 7, 1, 0]
-    assert kv.filled_slots == 0
+    assert kv.num_filled_slots([]) == 0
     b = make_seq(list(range(8)) + [30, 31])
     hits = kv.get_computed_blocks(b)
     assert hits == [0, 1]
@@ -291,9 +290,9 @@ def test_freed_cached_blocks_are_reused_by_a_later_request():
     assert b.block_table == [0, 1, 2]
     assert kv.pool.ref_counts[:3] == [1, 1, 1]
     assert 0 not in kv.pool.free_queue and 1 not in kv.pool.free_queue
-    assert kv.filled_slots == 8  # the revived blocks' tokens count again
+    assert kv.num_filled_slots([b]) == 8  # the revived blocks' tokens count again
     compute(kv, b, 2)
-    assert kv.filled_slots == 10
+    assert kv.num_filled_slots([b]) == 10
 
 
 def test_freed_cached_blocks_are_evicted_tail_block_first():
@@ -374,22 +373,23 @@ def test_blocks_recomputed_after_eviction_are_registered_again():
 
 def test_fragmentation_is_empty_slots_over_allocated_slots():
     kv = KVCacheManager(8, BS, enable_prefix_caching=False)
-    assert kv.fragmentation() == 0.0
+    assert kv.fragmentation([]) == 0.0
     a = make_seq(range(5))
     assert kv.allocate_slots(a, 5)
-    assert kv.fragmentation() == 1.0  # allocated, nothing written yet
+    assert kv.num_filled_slots([a]) == 0
+    assert kv.fragmentation([a]) == 1.0  # allocated, nothing written yet
     compute(kv, a, 5)
-    assert kv.filled_slots == 5
-    assert kv.fragmentation() == pytest.approx(3 / 8)
+    assert kv.num_filled_slots([a]) == 5
+    assert kv.fragmentation([a]) == pytest.approx(3 / 8)
     b = make_seq(range(2))
     step(kv, b)
-    assert kv.filled_slots == 7
-    assert kv.fragmentation() == pytest.approx(5 / 12)
+    assert kv.num_filled_slots([a, b]) == 7
+    assert kv.fragmentation([a, b]) == pytest.approx(5 / 12)
     kv.free(a)
-    assert kv.filled_slots == 2
-    assert kv.fragmentation() == pytest.approx(2 / 4)
+    assert kv.num_filled_slots([b]) == 2
+    assert kv.fragmentation([b]) == pytest.approx(2 / 4)
     kv.free(b)
-    assert kv.fragmentation() == 0.0 and kv.filled_slots == 0
+    assert kv.fragmentation([]) == 0.0 and kv.num_filled_slots([]) == 0
 
 
 # ---- all or nothing ----------------------------------------------------------------------------
@@ -626,21 +626,23 @@ class KVCacheMachine(RuleBasedStateMachine):
         for b in free:
             assert pool.ref_counts[b] == 0
         # Fill of each used block, from every table that holds it: all holders must agree.
-        total = 0
+        fill_of: dict[int, int] = {}
         for b, hs in holders.items():
             fills = {min(bs, max(0, s.num_computed_tokens - idx * bs)) for s, idx in hs}
             assert len(fills) == 1, f"holders of block {b} disagree on its fill: {fills}"
-            (fill,) = fills
-            assert kv.block_fill[b] == fill
-            total += fill
-        assert kv.filled_slots == total
+            (fill_of[b],) = fills
+        total = sum(fill_of.values())
+        assert kv.num_filled_slots(self.live) == total
+        allocated = pool.num_used * bs
+        assert kv.fragmentation(self.live) == pytest.approx(0.0 if allocated == 0 else 1 - total / allocated)
         # Prefix-cache index.
         for h, b in pool.cached.items():
             assert pool.block_hash[b] == h
         for b, h in enumerate(pool.block_hash):
             if h is not None:
                 assert pool.cached.get(h) == b
-                assert kv.block_fill[b] == bs  # only full blocks are cached
+                if b in fill_of:
+                    assert fill_of[b] == bs  # only full blocks are cached
         assert kv.pending_copies == []
 
     @invariant()
@@ -669,7 +671,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             kv.free(seq)
         assert kv.pool.num_free == kv.pool.num_blocks
         assert kv.pool.ref_counts == [0] * kv.pool.num_blocks
-        assert kv.filled_slots == 0
+        assert kv.num_filled_slots(self.live + self.pending) == 0
         assert sorted(kv.pool.free_queue) == list(range(kv.pool.num_blocks))
 
 

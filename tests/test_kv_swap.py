@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import stat
+import subprocess
+import sys
+from multiprocessing import resource_tracker
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore.store import KVStore
+from kvstore.grpc_transport import GrpcSwapSpace
+from kvstore.shm_transport import ShmSwapSpace
+from kvstore.store import KVStore, attach
+from kvstore.swap_space import open_swap_space
 from pagedserve import LLM, SamplingParams
 from tests.test_model_correctness import _generate, _prompts
-from workers.kv_cache import SwapSpace
 
 PROMPTS = _prompts(10, seed=21, high=60)
 # 24 blocks of 16 tokens for 10 sequences of up to 84 tokens: preemption is certain.
@@ -39,7 +47,7 @@ def expected(tiny_llama):
 def _assert_all_free(llm):
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0 and stats["num_swapped"] == 0
-    assert all(c == 0 for c in llm.engine.kv.pool.ref_counts)
+    assert all(c == 0 for c in llm.engine.scheduler.kv.pool.ref_counts)
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto", "recompute"])
@@ -88,7 +96,7 @@ def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{store.layout.segment}").st_mode)
         assert mode == 0o600
         cache = torch.arange(3 * 16, dtype=torch.float32).view(3, 16)  # 3 blocks of 64 bytes
-        space = SwapSpace(store.layout, rank=1, kv_cache=cache)
+        space = ShmSwapSpace(store.layout, rank=1, kv_cache=cache)
         space.swap_out([(0, 2)])
         assert store.valid_blocks([2]) == [False]  # rank 0 has not written its shard yet
         before = bytes(space._data.numpy().tobytes()), space.valid.copy()
@@ -98,9 +106,9 @@ def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
                 space.swap_out(bad)
         assert space._data.numpy().tobytes() == before[0] and (space.valid == before[1]).all()
         with pytest.raises(ValueError, match="rank 2 is not in"):
-            SwapSpace(store.layout, rank=2, kv_cache=cache)
+            ShmSwapSpace(store.layout, rank=2, kv_cache=cache)
         with pytest.raises(ValueError, match="a block shard is 64 bytes; got 32"):
-            SwapSpace(store.layout, rank=0, kv_cache=cache.view(6, 8))
+            ShmSwapSpace(store.layout, rank=0, kv_cache=cache.view(6, 8))
         with pytest.raises(RuntimeError, match="never wrote"):
             space.swap_in([(3, 1)])
         space.swap_in([(2, 1)])
@@ -109,6 +117,68 @@ def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
     finally:
         store.close()
     assert not os.path.exists(f"/dev/shm/{store.layout.segment}")
+
+
+@pytest.mark.parametrize("transport, kind", [("shm", ShmSwapSpace), ("grpc", GrpcSwapSpace)])
+def test_open_swap_space_takes_the_stores_transport(transport, kind):
+    store = KVStore(num_blocks=4, tp_size=1, block_bytes=64, transport=transport)
+    try:
+        cache = torch.arange(3 * 16, dtype=torch.float32).view(3, 16)  # 3 blocks of 64 bytes
+        space = open_swap_space(store.layout, rank=0, kv_cache=cache)
+        assert type(space) is kind
+        space.swap_out([(1, 3)])
+        space.finish()
+        assert store.valid_blocks([3]) == [True]
+        space.swap_in([(3, 0)])
+        space.finish()
+        assert torch.equal(cache[0], cache[1]) and store.valid_blocks([3]) == [False]
+        space.close()
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="kv_transport must be shm or grpc; got 'rdma'"):
+        open_swap_space(dataclasses.replace(store.layout, transport="rdma"), 0, cache)
+
+
+_ATTACH_AND_EXIT = """
+import json, sys
+from multiprocessing import resource_tracker
+from kvstore.store import StoreLayout, attach
+shm, valid, data = attach(StoreLayout(**json.loads(sys.argv[1])))
+data[2, 0, :] = 7
+valid[2, 0] = 1
+del valid, data
+shm.close()
+resource_tracker._resource_tracker._stop()  # its tracker is done (and would have unlinked) now
+"""
+
+
+def test_only_the_store_removes_its_segment(monkeypatch):
+    """Attaching registers the segment with the process's resource tracker, which unlinks what it
+    holds when the process ends: the store's process keeps that registration (the store's unlink
+    drops it), every other process drops its own, so the segment lasts exactly as long as the store."""
+    store = KVStore(num_blocks=4, tp_size=1, block_bytes=64)
+    path = f"/dev/shm/{store.layout.segment}"
+    try:
+        assert store.layout.owner_pid == os.getpid()
+        dropped = []
+        with monkeypatch.context() as m:
+            m.setattr(resource_tracker, "unregister", lambda name, rtype: dropped.append(name))
+            for layout in (store.layout, dataclasses.replace(store.layout, owner_pid=os.getpid() + 1)):
+                shm, valid, data = attach(layout)
+                del valid, data
+                shm.close()
+        assert dropped == ["/" + store.layout.segment]  # only as a process that is not the owner
+        assert os.path.exists(path)
+
+        # A worker's process (its own resource tracker, as a Ray worker has) writes a shard and ends.
+        repo = str(Path(__file__).resolve().parent.parent)
+        subprocess.run([sys.executable, "-c", _ATTACH_AND_EXIT, json.dumps(dataclasses.asdict(store.layout))],
+                       check=True, cwd=repo, env={**os.environ, "PYTHONPATH": repo}, timeout=60)
+        assert os.path.exists(path)
+        assert store.valid_blocks([2]) == [True] and (store._data[2, 0] == 7).all()
+    finally:
+        store.close()
+    assert not os.path.exists(path)
 
 
 def test_a_killed_store_loses_nothing_and_is_restarted(ray_session, tiny_llama, expected):

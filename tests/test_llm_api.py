@@ -18,7 +18,7 @@ def llm(tiny_llama):
 def _no_leak(llm):
     s = llm.stats()
     assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-    assert not llm.engine.requests
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.scheduler.groups
 
 
 def test_outputs_come_back_in_input_order_with_mixed_prompt_forms(llm):
@@ -182,12 +182,12 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tiny_llama):
     eng.add_request("long", None, list(range(100, 180)), SamplingParams(max_tokens=50, **GREEDY))
     eng.add_request("short", None, [7, 8, 9], SamplingParams(max_tokens=50, **GREEDY))
     eng.step()  # "long" is mid-prefill: 16 of 80 tokens computed
-    assert 0 < eng.requests["long"].seq.num_computed_tokens < 80
+    assert 0 < eng.scheduler.groups["long"].first.num_computed_tokens < 80
     out = eng.abort_request("long")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     for _ in range(8):
         eng.step()  # "short" is decoding now
-    assert eng.requests["short"].seq.num_output_tokens > 0
+    assert eng.scheduler.groups["short"].first.num_output_tokens > 0
     eng.abort_request("short")
     _no_leak(llm)
     assert eng.abort_request("unknown") is None

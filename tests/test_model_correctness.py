@@ -27,7 +27,7 @@ def _generate(llm: LLM, prompts, max_new=MAX_NEW):
 def _assert_no_leak(llm: LLM):
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert all(c == 0 for c in llm.engine.kv.pool.ref_counts)
+    assert all(c == 0 for c in llm.engine.scheduler.kv.pool.ref_counts)
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_mistral"])

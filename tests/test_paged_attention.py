@@ -1,4 +1,4 @@
-"""kernels.paged_attention / write_kv against dense scaled_dot_product_attention."""
+"""The torch and cpu backends' paged_attention / write_kv against dense scaled_dot_product_attention."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import reference
 
 
-def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, **meta_options):
+def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, backend=None,
+                  max_gather_tokens=1 << 30):
     """Sequences with `cached_lens[s]` tokens already in randomly placed blocks and
-    `query_lens[s]` new ones; returns everything the kernel and the dense oracle need."""
+    `query_lens[s]` new ones; returns everything the kernel and the dense oracle need, the
+    metadata built by `backend` (default: torch)."""
+    backend = backend or kernels.get_backend("torch", "cpu", torch.float32)
     ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
     blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -40,8 +44,8 @@ def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_he
     new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
-    meta = kernels.build_attention_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables,
-                                            torch.tensor(slots), block_size, **meta_options)
+    meta = backend.build_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables, torch.tensor(slots),
+                                  block_size, max_gather_tokens)
     return cache, query, new_k, new_v, meta, keys, values
 
 
@@ -59,18 +63,20 @@ def _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, sc
     return torch.cat(outs)
 
 
-BACKENDS = [{"max_gather_tokens": 1 << 30}, {"max_gather_tokens": 64}, {"cpu_decode_kernel": True}]
+BACKENDS = {"torch": ("torch", 1 << 30), "torch-small-groups": ("torch", 64), "cpu-c-kernel": ("cpu", 1 << 30)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=["torch", "torch-small-groups", "cpu-c-kernel"])
+@pytest.mark.parametrize("backend", list(BACKENDS.values()), ids=list(BACKENDS))
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("seed", range(4))
 def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, backend):
-    if backend.get("cpu_decode_kernel"):
+    name, max_gather_tokens = backend
+    if name == "cpu":
         from kernels import cpu
 
         if not cpu.available():
             pytest.skip("no C compiler for the CPU decode kernel")
+    attn = kernels.get_backend(name, "cpu", torch.float32)
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
     # A mix of decodes (1 new token), prefill chunks over cached context, and fresh prompts.
@@ -80,11 +86,12 @@ def test_paged_attention_matches_dense_sdpa_on_ragged_batches(block_size, seed, 
     cached_lens[-1] = 0
     num_heads, num_kv_heads, head_dim = 6, 2, 16
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
-        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, **backend)
-    assert sum(g.token_index.shape[0] for g in meta.groups) == num_seqs
-    kernels.write_kv(new_k, new_v, cache, meta)
+        gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, attn, max_gather_tokens)
+    if name == "torch":
+        assert sum(g.token_index.shape[0] for g in meta.groups) == num_seqs
+    attn.write_kv(new_k, new_v, cache, meta)
     scale = head_dim ** -0.5
-    out = kernels.paged_attention(query, new_k, new_v, cache, meta, scale)
+    out = attn.paged_attention(query, new_k, new_v, cache, meta, scale)
     expected = _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -94,7 +101,7 @@ def test_write_kv_puts_each_token_at_its_slot_and_nowhere_else():
     cache, query, new_k, new_v, meta, keys, values = _random_batch(
         gen, 16, query_lens=[5, 1], cached_lens=[0, 20], num_heads=2, num_kv_heads=2, head_dim=8)
     before = cache.clone()
-    kernels.write_kv(new_k, new_v, cache, meta)
+    meta.backend.write_kv(new_k, new_v, cache, meta)
     for i, (b, o) in enumerate(zip(meta.slot_blocks.tolist(), meta.slot_offsets.tolist())):
         assert torch.equal(cache[b, 0, o], new_k[i]) and torch.equal(cache[b, 1, o], new_v[i])
         before[b, :, o] = cache[b, :, o]
@@ -102,7 +109,7 @@ def test_write_kv_puts_each_token_at_its_slot_and_nowhere_else():
 
 
 def test_decodes_are_not_padded_to_a_long_prefill_chunk():
-    meta = kernels.build_attention_metadata(
+    meta = reference.build_attention_metadata(
         torch.tensor([1, 1, 300]), torch.tensor([40, 50, 300]),
         torch.zeros(3, 19, dtype=torch.int32), torch.arange(302), 16)
     shapes = sorted(tuple(g.token_index.shape) for g in meta.groups)

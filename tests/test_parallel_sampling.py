@@ -34,8 +34,8 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 def _assert_all_free(llm):
     stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and not llm.engine.requests
-    assert all(c == 0 for c in llm.engine.kv.pool.ref_counts)
+    assert stats["kv_blocks_used"] == 0 and not llm.engine.has_unfinished_requests()
+    assert all(c == 0 for c in llm.engine.scheduler.kv.pool.ref_counts)
 
 
 def _record_plans(llm) -> list:
@@ -53,13 +53,13 @@ def _record_plans(llm) -> list:
 def test_n8_shares_the_prompt_blocks_and_copies_the_partial_block_once_per_writer(tiny_llama):
     with LLM(tiny_llama, kv_cache_memory=1 << 24, block_size=BLOCK, enable_prefix_caching=False) as llm:
         plans = _record_plans(llm)
-        engine, pool = llm.engine, llm.engine.kv.pool
+        engine, pool = llm.engine, llm.engine.scheduler.kv.pool
         prompt = _prompt(500)  # 31 full blocks + 4 tokens in a partial 32nd
         engine.add_request("r", None, prompt, SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=8,
                                                              ignore_eos=True))
-        while not engine.requests["r"].completions[1:]:
+        while not engine.scheduler.groups["r"].seqs[1:]:
             engine.step()  # prefill chunks, then the step that samples 8 tokens and forks
-        seqs = [c.seq for c in engine.requests["r"].completions]
+        seqs = engine.scheduler.groups["r"].seqs
         assert len(seqs) == 8 and len({s.seq_id for s in seqs}) == 8
         # One prompt's blocks, each held by all eight samples; nothing copied yet.
         assert pool.num_used == 32
@@ -189,21 +189,22 @@ def test_abort_in_every_state_returns_every_block(tiny_llama):
         for _ in range(3):
             engine.step()
         # One sample of "some-done" finishes early: cap it by hand as a stop would.
-        done = engine.requests["some-done"].completions[1].seq
-        engine._finish(done, done.status.FINISHED_STOPPED)
+        done = engine.scheduler.groups["some-done"].seqs[1]
+        engine.scheduler.finish(done, done.status.FINISHED_STOPPED)
         engine.add_request("waiting", None, _prompt(30, 4), SamplingParams(max_tokens=50, **sample))
-        assert 0 < engine.requests["prefill"].seq.num_computed_tokens < 300  # mid-prefill
+        assert 0 < engine.scheduler.groups["prefill"].first.num_computed_tokens < 300  # mid-prefill
         states = {}
-        pool = engine.kv.pool
+        pool = engine.scheduler.kv.pool
         for request_id in ("waiting", "prefill", "some-done", "running"):
-            seqs = [c.seq for c in engine.requests[request_id].completions]
+            seqs = list(engine.scheduler.groups[request_id].seqs)
             states[request_id] = {s.status.value for s in seqs}
             # The blocks only this request holds (every reference to them is one of its samples').
             held = Counter(b for s in seqs if not s.status.finished for b in s.block_table)
             own = sum(1 for b, refs in held.items() if pool.ref_counts[b] == refs)
             before = pool.num_used
             out = engine.abort_request(request_id)
-            assert out.finished and request_id not in engine.requests
+            assert out.finished and request_id not in engine.scheduler.groups
+            assert request_id not in engine.output_processor.requests
             assert all(s.status.finished and s.status.value in ("abort", "stop") for s in seqs)
             assert before - pool.num_used == own
             assert (own > 0) == (request_id != "waiting")

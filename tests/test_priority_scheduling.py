@@ -67,5 +67,7 @@ def test_a_low_priority_request_ages_past_a_stream_of_important_ones():
 
 
 def test_unknown_policy_is_refused():
+    from pagedserve.config import EngineConfig
+
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
-        _scheduler("lifo")
+        EngineConfig(scheduling_policy="lifo")

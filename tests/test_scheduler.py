@@ -1,10 +1,12 @@
-"""Scheduler over a real KVCacheManager, no model: each step is simulated the way the engine
-does it (advance num_computed_tokens, commit, sample a token when a sequence caught up)."""
+"""Scheduler over a real KVCacheManager, no model: each step is `schedule()`, then what workers
+would return (a token for each sequence whose context the step completes), then the scheduler's
+own `update_from_output`."""
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +14,8 @@ from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import Scheduler, SchedulerOutput
 from coordinator.sequence import Sequence, SequenceStatus
+from coordinator.stats import IterationStats
+from workers.step_plan import StepOutput
 
 SAMPLED = 7
 BS = 4
@@ -29,14 +33,15 @@ def make_seq(seq_id: int, tokens) -> Sequence:
     return Sequence(seq_id, f"req-{seq_id}", list(tokens), SamplingParams(max_tokens=None))
 
 
+def worker_output(out: SchedulerOutput, tokens: dict[int, int]) -> StepOutput:
+    return StepOutput(list(tokens), np.array(list(tokens.values()), dtype=np.int64))
+
+
 def run_step(sched: Scheduler, sampled: int = SAMPLED) -> SchedulerOutput:
     out = sched.schedule()
-    for seq, n in out.scheduled:
-        old = seq.num_computed_tokens
-        seq.num_computed_tokens = old + n
-        sched.kv.commit_computed(seq, old)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(sampled)
+    tokens = {seq.seq_id: sampled for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens}
+    sched.update_from_output(out, worker_output(out, tokens), IterationStats())
+    sched.kv.end_step()
     return out
 
 
@@ -54,7 +59,6 @@ def assert_no_leak(kv: KVCacheManager) -> None:
     pool = kv.pool
     assert pool.num_free == pool.num_blocks, f"{pool.num_used} blocks still used"
     assert pool.ref_counts == [0] * pool.num_blocks
-    assert kv.filled_slots == 0
     assert kv.pending_copies == []
 
 
@@ -355,7 +359,7 @@ def test_prefix_cache_hit_on_admission_skips_cached_tokens():
     assert b.num_cached_prompt_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert b.num_computed_tokens == 11 and b.output_token_ids == [SAMPLED]
-    assert kv.prefix_cache_queries == 10 + 11 and kv.prefix_cache_hits == 8
+    assert kv.prefix_stats.queries == 10 + 11 and kv.prefix_stats.hits == 8
     finish_all(sched)
     assert_no_leak(kv)
 
@@ -382,7 +386,7 @@ def test_no_prefix_hits_when_prefix_caching_is_off():
     sched.add(b)
     assert plan(run_step(sched)) == [(1, 1), (2, 10)]
     assert b.num_cached_prompt_tokens == 0
-    assert kv.prefix_cache_queries == 0
+    assert kv.prefix_stats.queries == 0
     finish_all(sched)
     assert_no_leak(kv)
 
@@ -446,9 +450,9 @@ def test_finish_preempted_sequence_removes_it_from_waiting():
 def test_finish_swapped_sequence_removes_it_from_swapped():
     from coordinator.cpu_block_pool import CpuBlockPool
 
-    kv = KVCacheManager(4, BS, enable_prefix_caching=False, watermark=0.0)
     cpu = CpuBlockPool(8)
-    sched = Scheduler(kv, 8, 64, True, cpu=cpu, preemption_mode="swap")
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False, watermark=0.0, cpu_pool=cpu)
+    sched = Scheduler(kv, 8, 64, True, preemption_mode="swap")
     a, b = make_seq(1, 8), make_seq(2, 7)
     sched.add(a)
     sched.add(b)
@@ -500,9 +504,9 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
     longest = max(len(p) + m for p, m in zip(w["prompts"], w["max_tokens"]))
     num_blocks = -(-longest // bs) + w["extra_blocks"]  # the longest sequence always fits alone
     budget = (longest if not w["chunked"] else 1) + w["budget_extra"]
-    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=w["prefix"], watermark=0.0)
     cpu = CpuBlockPool(w["cpu_blocks"]) if w["cpu_blocks"] else None
-    sched = Scheduler(kv, w["max_num_seqs"], budget, w["chunked"], cpu=cpu,
+    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=w["prefix"], watermark=0.0, cpu_pool=cpu)
+    sched = Scheduler(kv, w["max_num_seqs"], budget, w["chunked"],
                       preemption_mode=w["preemption_mode"] if cpu else "recompute")
     content = {b: [None] * bs for b in range(num_blocks)}
     cpu_content = {c: [None] * bs for c in range(w["cpu_blocks"])}
@@ -540,6 +544,7 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
             content[d] = list(cpu_content[c])
         for c, _ in out.swap_in:
             cpu_content[c] = [None] * bs  # released: the store no longer vouches for it
+        tokens = {}  # the workers' forward pass: write every new token, then read back whole contexts
         for seq, n in out.scheduled:
             assert n >= 1
             assert seq.status is SequenceStatus.RUNNING
@@ -547,15 +552,13 @@ def test_random_workloads_read_back_their_own_tokens_and_leak_nothing(w):
             assert len(seq.block_table) == kv.blocks_needed(old + n)
             for pos in range(old, old + n):
                 content[seq.block_table[pos // bs]][pos % bs] = seq.token_ids[pos]
-            seq.num_computed_tokens = old + n
-            kv.commit_computed(seq, old)
-            if seq.num_computed_tokens == seq.num_tokens:
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens + n == seq.num_tokens:
                 seen = [content[seq.block_table[p // bs]][p % bs] for p in range(seq.num_tokens)]
                 assert seen == seq.token_ids, f"seq {seq.seq_id} reads tokens it never wrote"
-                seq.token_ids.append(_next_token(seq.token_ids))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-        sched.end_step()
+                tokens[seq.seq_id] = _next_token(seq.token_ids)
+        sched.update_from_output(out, worker_output(out, tokens), IterationStats())  # max_tokens ends them
+        kv.end_step()
         # Ref counts equal the number of running tables holding each block, on both pools.
         counts = [0] * num_blocks
         for seq in sched.running:

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.async_engine import AsyncEngine
 from coordinator.grpc_server import SERVICE_NAME, ServingServer
+from coordinator.server_state import ServerState
 from pagedserve import LLM, Client, ServingError
 from tests.certs import self_signed_cert
 
@@ -38,12 +39,13 @@ class _Loop:
             return engine
         return self.run(make())
 
-    def server(self, engine: AsyncEngine | None = None, **kwargs) -> ServingServer:
+    def server(self, engine: AsyncEngine | None = None, api_key: str | None = None,
+               tls: tuple[bytes, bytes] | None = None) -> ServingServer:
         async def make():
-            server = ServingServer(**kwargs)
+            server = ServingServer(ServerState(api_key), tls)
             await server.start("127.0.0.1", 0)
             if engine is not None:
-                await server.set_engine(engine)
+                await server.state.set_engine(engine)
             return server
         return self.run(make())
 
@@ -92,7 +94,7 @@ def test_not_serving_until_the_engine_is_set_then_serving(loop, engine):
             code, details = _code(lambda: client.generate([11, 12, 13], **GREEDY))
             assert code == grpc.StatusCode.UNAVAILABLE and "loading" in details
             assert _code(client.stats)[0] == grpc.StatusCode.UNAVAILABLE
-            loop.run(server.set_engine(engine))
+            loop.run(server.state.set_engine(engine))
             assert _health(target) == SERVING and _health(target, "") == SERVING
             assert len(client.generate([11, 12, 13], **GREEDY).token_ids) == 4
     finally:

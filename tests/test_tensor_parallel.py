@@ -41,9 +41,9 @@ def _run(model: str, **engine_args) -> tuple[list[list[int]], dict, list[int]]:
         _assert_no_leak(llm)
         stats = llm.stats()
         # Dispatch overhead is measured apart from rank 0's compute: positive, and a part of the step.
-        engine = llm.engine
-        assert 0 < stats["executor_overhead_us_per_step"] < 1e6 * engine.execute_seconds / engine.num_steps
-        pids = llm.engine.executor.worker_pids() if hasattr(llm.engine.executor, "worker_pids") else []
+        execute_seconds = llm.engine.metrics.execute_seconds
+        assert 0 < stats["executor_overhead_us_per_step"] < 1e6 * execute_seconds / stats["num_steps"]
+        pids = llm.engine.executor.worker_pids()
     return tokens, stats, pids
 
 

@@ -15,6 +15,7 @@ from pagedserve import LLM  # noqa: E402
 from tests.test_model_correctness import _generate, _prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REFERENCE = kernels.get_backend("torch", "cpu", torch.float32)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -63,10 +64,10 @@ def test_write_kv_and_attention_match_the_reference(dtype, block_size, case):
     value = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
     q_lens, c_lens = torch.tensor(query_lens, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
 
-    ref_meta = kernels.build_attention_metadata(q_lens, c_lens, tables, slots, block_size)
+    ref_meta = REFERENCE.build_metadata(q_lens, c_lens, tables, slots, block_size)
     ref_cache = cache.clone()
-    kernels.write_kv(key, value, ref_cache, ref_meta)
-    want = kernels.paged_attention(query, key, value, ref_cache, ref_meta, scale=head_dim ** -0.5)
+    REFERENCE.write_kv(key, value, ref_cache, ref_meta)
+    want = REFERENCE.paged_attention(query, key, value, ref_cache, ref_meta, scale=head_dim ** -0.5)
 
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     tri_cache = dev(cache.clone())
@@ -94,9 +95,9 @@ def test_padding_slots_write_nothing_and_a_non_power_of_two_head_dim_works():
     query = torch.randn((7, heads, head_dim))
     k_new, v_new = torch.randn((7, kv_heads, head_dim)), torch.randn((7, kv_heads, head_dim))
     q_lens, c_lens = torch.tensor([1, 6]), torch.tensor([30, 6])
-    ref_meta = kernels.build_attention_metadata(q_lens, c_lens, tables, slots, block_size)
-    kernels.write_kv(k_new, v_new, cache, ref_meta)
-    want = kernels.paged_attention(query, k_new, v_new, cache, ref_meta, scale=0.2)
+    ref_meta = REFERENCE.build_metadata(q_lens, c_lens, tables, slots, block_size)
+    REFERENCE.write_kv(k_new, v_new, cache, ref_meta)
+    want = REFERENCE.paged_attention(query, k_new, v_new, cache, ref_meta, scale=0.2)
     got = tk.paged_attention(query, cache, tk.build_metadata(q_lens, c_lens, tables, slots, "cpu"), scale=0.2)
     assert _relative_error(got, want) < 1e-4
 
@@ -115,5 +116,5 @@ def test_a_model_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_llam
     with LLM(tiny_llama, kv_cache_memory=1 << 22, attention_backend="torch") as llm:
         want = _generate(llm, prompts, max_new=6)
     with LLM(tiny_llama, kv_cache_memory=1 << 22, attention_backend="triton", max_num_batched_tokens=32) as llm:
-        assert llm.engine.executor.worker._triton
+        assert llm.engine.executor.worker.attn_backend.name == "triton"
         assert _generate(llm, prompts, max_new=6) == want

@@ -28,7 +28,9 @@ def padded_size(sizes: list[int], n: int) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int):
+    def __init__(self, backend, model, kv_cache: torch.Tensor, max_num_seqs: int, max_model_len: int,
+                 block_size: int):
+        """`backend`: the worker's TritonBackend, which the captured layers call through."""
         from kernels.triton.attention import TritonMetadata, choose_num_splits
 
         self.model, self.kv_cache = model, kv_cache
@@ -51,7 +53,8 @@ class DecodeGraphs:
                 slot_mapping=self.slot_mapping[:b], prefill_query_start=no_prefill, prefill_query_lens=no_prefill,
                 prefill_context_lens=no_prefill, prefill_block_tables=no_prefill.view(0, 1), max_prefill_query_len=0,
                 decode_rows=rows[:b], decode_context_lens=self.context_lens[:b], decode_block_tables=self.block_tables[:b],
-                max_decode_context=max_model_len, num_splits=choose_num_splits(b, num_kv_heads, max_model_len))
+                max_decode_context=max_model_len, num_splits=choose_num_splits(b, num_kv_heads, max_model_len),
+                backend=backend)
             args = (self.input_ids[:b], self.positions[:b], kv_cache, meta)
             model(*args)  # compiles the kernels outside the capture
             torch.cuda.synchronize()

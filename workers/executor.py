@@ -1,34 +1,68 @@
-"""Executors run a step plan on every worker. InProcessExecutor: one worker in this process (TP=1)."""
+"""The one interface the engine runs workers through, whatever runs them: `InProcessExecutor`
+(one worker in this process, TP=1) or `RayExecutor` (a worker actor per tensor-parallel rank).
+
+Torch-free on purpose: the coordinator imports this module, never the workers behind it.
+Subclasses implement `collective_rpc` (call one Worker method on every rank) and `execute`;
+the cache and store set-up are written once here in terms of it.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from pagedserve.config import EngineConfig, ModelSource
 from workers.step_plan import StepOutput, StepPlan
-from workers.worker import Worker
 
 
-class InProcessExecutor:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs the Ray executor; InProcessExecutor runs one rank")
-        self.worker = Worker(config, source, max_model_len)
+class WorkerFailedError(RuntimeError):
+    """A worker died, hung, or raised inside a step: the group's state can no longer be trusted.
+    Raised by every executor for every lost or failed worker, with the original as `__cause__`."""
+
+
+class Executor(ABC):
+    @abstractmethod
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call `Worker.<method>(*args)` on every rank; their results in rank order."""
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step on every rank; rank 0's output (the sampled tokens)."""
+
+    @abstractmethod
+    def node_id(self) -> str | None:
+        """The Ray node all ranks run on (where the KV store must live), or None in process."""
+
+    @abstractmethod
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks (for operators and fault tests)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers; safe to call twice."""
 
     def num_available_blocks(self) -> int:
-        return self.worker.num_available_blocks()
+        # Every rank holds the same number of blocks (its KV heads of each): the smallest pool wins.
+        return min(self.collective_rpc("num_available_blocks"))
 
     def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
+        self.collective_rpc("init_cache", num_blocks)
 
     def block_bytes(self) -> int:
-        return self.worker.block_bytes()
+        """Bytes of one block on one rank (every rank's shard is the same size)."""
+        return self.collective_rpc("block_bytes")[0]
 
     def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
-        self.worker.attach_kv_store(layout, unlink_previous)
+        self.collective_rpc("attach_kv_store", layout, unlink_previous)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
-        return self.worker.execute(plan)
 
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-        self.worker = None
+def create_executor(config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None) -> Executor:
+    """The executor `distributed_executor_backend` asks for: Ray for `ray`, or `auto` with more
+    than one rank; in process otherwise. `hf_config` spares an in-process worker a second parse."""
+    backend = config.distributed_executor_backend
+    if backend == "ray" or (backend == "auto" and config.tensor_parallel_size > 1):
+        from workers.ray_executor import RayExecutor
+
+        return RayExecutor(config, source, max_model_len)
+    from workers.inprocess_executor import InProcessExecutor
+
+    return InProcessExecutor(config, source, max_model_len, hf_config)

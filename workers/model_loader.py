@@ -3,31 +3,16 @@ a GGUF file (through transformers' GGUF loader, dequantized to dense tensors).""
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 
 import torch
 
 from pagedserve.config import ModelSource
-from workers.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, rope_tables
+from workers.models.llama import LlamaForCausalLM, rope_tables
 from workers.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@functools.lru_cache(maxsize=8)
-def load_hf_config(source: ModelSource):
-    """The transformers config (cached: from a GGUF file it takes seconds to parse, and the engine
-    and an in-process worker both need it). Callers must not modify it."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    archs = getattr(config, "architectures", None) or []
-    if config.model_type not in ("llama", "mistral", "qwen2") and not set(archs) & set(SUPPORTED_ARCHITECTURES):
-        raise ValueError(f"model type {config.model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return config
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -18,20 +18,6 @@ import torch
 import torch.distributed as dist
 
 
-def check_tensor_parallel_size(hf_config, tp: int) -> None:
-    """Refuse a size the model cannot be split by, before anything starts."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {heads} attention heads")
-    if kv_heads % tp and tp % kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {kv_heads} KV heads "
-                         "or be a multiple of it")
-    if hf_config.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate size "
-                         f"({hf_config.intermediate_size})")
-
-
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     """This rank's place in the tensor-parallel group. Size 1 is the single-process case: every

@@ -15,6 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config import EngineConfig, ModelSource
+from workers.executor import Executor, WorkerFailedError
 from workers.step_plan import StepOutput, StepPlan
 
 PLACEMENT_TIMEOUT_S = 120
@@ -53,20 +54,9 @@ class WorkerActor:
                                     rank=rank, world_size=size)
         self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size))
 
-    def num_available_blocks(self) -> int:
-        return self.worker.num_available_blocks()
-
-    def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
-
-    def block_bytes(self) -> int:
-        return self.worker.block_bytes()
-
-    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
-        self.worker.attach_kv_store(layout, unlink_previous)
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        return self.worker.execute(plan)
+    def call(self, method: str, *args):
+        """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
+        return getattr(self.worker, method)(*args)
 
     def pid(self) -> int:
         return os.getpid()
@@ -82,7 +72,7 @@ class WorkerActor:
         self.worker = None
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         size = config.tensor_parallel_size
         if not ray.is_initialized():
@@ -114,22 +104,18 @@ class RayExecutor:
             self.shutdown()
             raise
 
-    def num_available_blocks(self) -> int:
-        # Every rank holds the same number of blocks (its KV heads of each): the smallest pool wins.
-        return min(ray.get([w.num_available_blocks.remote() for w in self.workers]))
-
-    def init_cache(self, num_blocks: int) -> None:
-        ray.get([w.init_cache.remote(num_blocks) for w in self.workers])
-
-    def block_bytes(self) -> int:
-        return ray.get(self.workers[0].block_bytes.remote())
-
-    def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
-        ray.get([w.attach_kv_store.remote(layout, unlink_previous) for w in self.workers])
+    def collective_rpc(self, method: str, *args) -> list:
+        try:
+            return ray.get([w.call.remote(method, *args) for w in self.workers])
+        except ray.exceptions.RayActorError as e:  # an error raised by the method passes as it is
+            raise WorkerFailedError(f"a worker died in {method}: {e}") from e
 
     def execute(self, plan: StepPlan) -> StepOutput:
         ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank
-        return ray.get([w.execute.remote(ref) for w in self.workers])[0]
+        try:
+            return ray.get([w.call.remote("execute", ref) for w in self.workers])[0]
+        except ray.exceptions.RayError as e:
+            raise WorkerFailedError(f"a worker failed a step: {e}") from e
 
     def node_id(self) -> str:
         """The node every rank runs on (STRICT_PACK): where the KV store must live."""

@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import torch
 
 import kernels
+from kvstore.swap_space import open_swap_space
 from pagedserve.config import EngineConfig, ModelSource
-from workers.kv_cache import KVCacheSpec, SwapSpace, copy_blocks
-from workers.model_loader import load_hf_config, load_model, resolve_dtype
+from workers.kv_cache import KVCacheSpec, copy_blocks
+from workers.model_config import load_hf_config
+from workers.model_loader import load_model, resolve_dtype
 from workers.parallel import TensorParallel
 from workers.sampler import Sampler, token_logprobs
 from workers.step_plan import StepOutput, StepPlan
 
 
 GATHER_BYTES = 8 << 20
-
-
-def _use_cpu_kernel(backend: str, device: str, dtype: torch.dtype) -> bool:
-    """`auto` on a CPU in fp32 takes the C decode kernel when it builds; `cpu` insists on it."""
-    if backend not in ("auto", "cpu"):
-        return False
-    from kernels import cpu
-
-    usable = device == "cpu" and dtype == torch.float32
-    if backend == "cpu" and not (usable and cpu.available()):
-        raise ValueError("attention_backend 'cpu' needs device cpu, dtype float32 and a C compiler (cc)")
-    return usable and cpu.available()
-
-
-def _use_triton(backend: str, device: str) -> bool:
-    """`triton` insists on the Triton kernels (on a CPU they run under TRITON_INTERPRET=1, for
-    tests); `auto` takes them on a GPU."""
-    if backend == "cuda":
-        raise ValueError("attention_backend 'cuda' is not built: use 'triton' (or 'auto') on a GPU")
-    if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend 'triton' needs device cuda (on a CPU it runs only in Triton's "
-                         "interpreter, TRITON_INTERPRET=1, for tests): use 'auto' or 'torch'")
-    return backend == "triton" or (backend == "auto" and device == "cuda")
 
 
 def _plain_greedy(p) -> bool:
@@ -59,35 +37,31 @@ class Worker:
     """One tensor-parallel rank. Every rank runs the same plan; only rank 0 samples."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), hf_config=None):
         self.config = config
         self.tp = tp
         self.device = config.device
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.hf_config = load_hf_config(source)
+        self.attn_backend = kernels.get_backend(config.attention_backend, self.device, self.dtype)
+        # The caller's copy when it has one (parsing a GGUF file's config takes seconds).
+        self.hf_config = hf_config if hf_config is not None else load_hf_config(source)
         torch.manual_seed(config.seed)
         self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len, tp)
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)
         self.kv_cache: torch.Tensor | None = None
-        self.swap_space = None  # SwapSpace (shared memory) or GrpcSwapSpace
-        self._gather_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.swap_space = None  # kvstore.swap_space.SwapSpace (shared memory or gRPC), or None
         # Attention groups whose gathered K/V stay within this many bytes per layer are read back
         # from the CPU cache, not DRAM.
         token_bytes = self.cache_spec.block_bytes // (self.cache_spec.num_layers * config.block_size)
         self._max_gather_tokens = max(config.block_size, GATHER_BYTES // token_bytes)
         self.max_model_len = max_model_len
-        self._triton = _use_triton(config.attention_backend, self.device)
         # CUDA graphs of decode steps: on a GPU, with the Triton kernels, one rank (an all-reduce
         # inside a graph needs NCCL set up for capture), unless enforce_eager.
-        self._use_graphs = (self.device == "cuda" and self._triton and tp.size == 1
+        self._use_graphs = (self.device == "cuda" and self.attn_backend.name == "triton" and tp.size == 1
                             and not config.enforce_eager)
         self._graphs = None
-        if self._triton:
-            import kernels.triton  # noqa: F401  (fails here, clearly, when triton is missing)
-        self._cpu_decode_kernel = not self._triton and _use_cpu_kernel(config.attention_backend, self.device,
-                                                                        self.dtype)
         self.sampler = Sampler(config.seed)
 
     def num_available_blocks(self) -> int:
@@ -107,20 +81,13 @@ class Worker:
         if self._use_graphs:
             from workers.cuda_graphs import DecodeGraphs
 
-            self._graphs = DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len,
-                                        self.config.block_size)
+            self._graphs = DecodeGraphs(self.attn_backend, self.model, self.kv_cache, self.config.max_num_seqs,
+                                        self.max_model_len, self.config.block_size)
 
     def _metadata(self, query_lens, context_lens, block_tables, slot_mapping):
         """The attention backend's per-step metadata, from CPU tensors."""
-        if self._triton:
-            from kernels import triton as triton_kernels
-
-            return triton_kernels.build_metadata(query_lens, context_lens, block_tables, slot_mapping, self.device)
-        meta = kernels.build_attention_metadata(query_lens, context_lens, block_tables, slot_mapping,
-                                                self.config.block_size, self._max_gather_tokens,
-                                                self._cpu_decode_kernel)
-        meta.workspace = self._workspace(meta.max_gathered_blocks)
-        return meta
+        return self.attn_backend.build_metadata(query_lens, context_lens, block_tables, slot_mapping,
+                                                self.config.block_size, self._max_gather_tokens)
 
     @torch.inference_mode()
     def dummy_step(self, cache: torch.Tensor, num_seqs: int, query_len: int, logits_rows: int) -> None:
@@ -142,33 +109,22 @@ class Worker:
         return self.cache_spec.block_bytes
 
     def attach_kv_store(self, layout, unlink_previous: bool = False) -> None:
-        """Map the store's segment. A restarted store's replaces the old one, whose name rank 0
-        removes when the old store died without doing so (the workers share its node)."""
+        """Open this rank's swap space onto the store, over the layout's transport. A restarted
+        store's replaces the old one, whose segment name rank 0 removes when the old store died
+        without doing so (the workers share its node)."""
         previous = self.swap_space.layout.segment if self.swap_space is not None else None
-        self.close()
+        self.detach_kv_store()
         if previous and unlink_previous and self.tp.rank == 0:
             from kvstore.store import unlink_segment
 
             unlink_segment(previous)
-        if layout.transport == "grpc":
-            from kvstore.grpc_transport import GrpcSwapSpace
+        self.swap_space = open_swap_space(layout, self.tp.rank, self.kv_cache)
 
-            self.swap_space = GrpcSwapSpace(layout, self.tp.rank, self.kv_cache, layout.grpc_address)
-        else:
-            self.swap_space = SwapSpace(layout, self.tp.rank, self.kv_cache)
-
-    def close(self) -> None:
+    def detach_kv_store(self) -> None:
+        """Let go of the store; its pool stays (the store owns it)."""
         if self.swap_space is not None:
             self.swap_space.close()
             self.swap_space = None
-
-    def _workspace(self, num_blocks: int) -> torch.Tensor:
-        """A gather buffer reused by every layer and step; grows, never shrinks."""
-        spec = self.cache_spec
-        need = num_blocks * 2 * spec.block_size * spec.num_kv_heads * spec.head_dim  # one layer's K and V
-        if self._gather_workspace.numel() < need:
-            self._gather_workspace = torch.empty(need + need // 4, dtype=self.dtype, device=self.device)
-        return self._gather_workspace
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()

@@ -65,6 +65,7 @@ def check_kernels(device: str, smoke: bool) -> list[dict]:
     else:  # a fresh prefill, chunks over cached context, short and long decodes (split-K)
         query_lens = [300, 128, 64] + [1] * 48
         context_lens = [300, 1000, 2100] + [random.Random(i).randint(16, 9000) for i in range(48)]
+    reference = kernels.get_backend("torch", device, torch.float32)  # moves its metadata to the device
     rows = []
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -78,15 +79,10 @@ def check_kernels(device: str, smoke: bool) -> list[dict]:
             ql, cl = torch.tensor(query_lens, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
             # The oracle: the torch reference in fp32 on the same values.
             ref_cache = cache.float().to(device)
-            ref_meta = kernels.build_attention_metadata(ql, cl, tables, slots, block_size)
-            ref_meta.slot_blocks, ref_meta.slot_offsets = ref_meta.slot_blocks.to(device), ref_meta.slot_offsets.to(device)
-            for g in ref_meta.groups:
-                g.token_index = g.token_index.to(device)
-                g.block_tables = None if g.block_tables is None else g.block_tables.to(device)
-                g.mask = None if g.mask is None else g.mask.to(device)
-            kernels.write_kv(k.float().to(device), v.float().to(device), ref_cache, ref_meta)
-            want = kernels.paged_attention(q.float().to(device), k.float().to(device), v.float().to(device),
-                                           ref_cache, ref_meta, head_dim ** -0.5)
+            ref_meta = reference.build_metadata(ql, cl, tables, slots, block_size)
+            reference.write_kv(k.float().to(device), v.float().to(device), ref_cache, ref_meta)
+            want = reference.paged_attention(q.float().to(device), k.float().to(device), v.float().to(device),
+                                             ref_cache, ref_meta, head_dim ** -0.5)
             tri_cache = cache.to(device)
             meta = tk.build_metadata(ql, cl, tables, slots, device)
             tk.write_kv(k.to(device), v.to(device), tri_cache, meta.slot_mapping)
@@ -145,18 +141,18 @@ def time_decode(device: str, smoke: bool) -> dict:
 
 # ---- 2b. swap through the KV store's segment ------------------------------------------------------
 def time_swap(device: str, smoke: bool) -> dict:
-    """256 SmolLM2-sized blocks out to the store's page-locked segment and back (workers/kv_cache.py
-    SwapSpace with workers/cuda_transfer.py), checked exact, against a plain device-to-host copy
+    """256 SmolLM2-sized blocks out to the store's page-locked segment and back (kvstore/shm_transport.py
+    ShmSwapSpace with kvstore/cuda_transfer.py), checked exact, against a plain device-to-host copy
     of the same bytes into ordinary (pageable) memory."""
+    from kvstore.shm_transport import ShmSwapSpace
     from kvstore.store import KVStore
-    from workers.kv_cache import SwapSpace
 
     blocks = 16 if smoke else 256
     cache = torch.randn((blocks, 30, 2, 16, 3, 64), device=device)
     block_bytes = cache[0].numel() * cache.element_size()
     store = KVStore(blocks, 1, block_bytes)
     try:
-        space = SwapSpace(store.layout, 0, cache)
+        space = ShmSwapSpace(store.layout, 0, cache)
         pairs = [(b, b) for b in range(blocks)]
 
         def out():

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.write_kv import write_kv as _write_kv
-
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PREFILL_BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # context tokens per iteration
@@ -145,12 +143,7 @@ class TritonMetadata:
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32
     max_decode_context: int
     num_splits: int | None = None  # decodes' split-K factor; None: chosen per launch
-
-    def write_kv(self, key, value, kv_cache) -> None:
-        _write_kv(key, value, kv_cache, self.slot_mapping)
-
-    def paged_attention(self, query, kv_cache, scale: float) -> torch.Tensor:
-        return paged_attention(query, kv_cache, self, scale)
+    backend: object = None  # the TritonBackend that built it: model layers call through it
 
 
 def build_metadata(query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,

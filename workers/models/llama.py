@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import AttentionMetadata
 from workers.parallel import TensorParallel
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 # Up to this many tokens (decode batches), MKL's sgemm computes the weight-major product
@@ -83,7 +79,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta):
         t = x.shape[0]
         q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = _apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
@@ -91,8 +87,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         layer_cache = kv_cache[:, self.layer_idx]
-        kernels.write_kv(k, v, layer_cache, meta)
-        out = kernels.paged_attention(q, k, v, layer_cache, meta, self.scale)
+        meta.backend.write_kv(k, v, layer_cache, meta)
+        out = meta.backend.paged_attention(q, k, v, layer_cache, meta, self.scale)
         return self.tp.all_reduce(linear(out.view(t, self.q_size), self.o_proj.weight))
 
 
@@ -142,8 +138,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache)."""
+    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache). `meta`:
+        the step's attention metadata, built by the worker's backend (`kernels.get_backend`); it
+        carries that backend (`meta.backend`) to every layer."""
         x = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # shared by every layer
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)

@@ -1,0 +1,68 @@
+"""From what a client sent to a request the engine can always run: tokenizing, the chat template,
+and every check a request can fail.
+
+One instance is shared by every front door (gRPC, the offline `LLM`, HTTP, the router), so
+that they refuse the same inputs with the same messages. It changes nothing and holds no
+per-request state, so a server calls it in a thread beside a running step (tokenizing a long
+prompt takes milliseconds: never on an event loop). Torch-free.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from coordinator.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt or token ids")
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))
+
+    def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt's token ids, or ValueError naming the field and limit."""
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        try:  # numpy and torch integers are welcome; floats and strings are not
+            prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError("prompt_token_ids must be a list of integers") from None
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+                             f"max_model_len ({self.max_model_len}) to leave room for one new token")
+        return prompt_token_ids
+
+    def process(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+                priority: int = 0, messages: list[dict] | None = None) -> list[int]:
+        """Everything a request could be refused for; its prompt's token ids. `messages` (a chat)
+        takes the place of `prompt` and `prompt_token_ids`."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer; got {priority!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
+        if messages is not None:
+            prompt_token_ids = self.chat_prompt_ids(messages)
+        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
+        params.check_token_ids(self.vocab_size)
+        return prompt_token_ids

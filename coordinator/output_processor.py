@@ -1,0 +1,89 @@
+"""From the scheduler's per-step updates to what clients see: detokenized text, stop strings,
+logprobs, n / best_of selection, beam-search results, streaming deltas, request metrics.
+
+Torch-free and model-free: it needs a tokenizer (anything with `decode`) and the sequences the
+scheduler updated. A step is processed in two calls, so that the engine can end the sequences a
+stop string finished before their outputs are built:
+
+    stopped = output_processor.detokenize(updates)      # text, logprobs; which hit a stop string
+    (the engine finishes `stopped` in the scheduler: their blocks come back in this step)
+    outputs = output_processor.make_outputs(updates, stats)
+"""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.outputs import RequestOutput
+from coordinator.request_state import RequestState
+from coordinator.sequence import GroupUpdate, Sequence, SequenceGroup, SequenceStatus
+from coordinator.stats import IterationStats
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, group: SequenceGroup, prompt: str | None) -> None:
+        self.requests[group.request_id] = RequestState(group, prompt, self.tokenizer)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def detokenize(self, updates: list[GroupUpdate]) -> list[Sequence]:
+        """Record the step's tokens (text, logprobs) and prompt logprobs. Returns the running
+        sequences a stop string ended, for the caller to finish; one the scheduler already
+        ended by length is relabelled stopped, as its text now ends at the stop string."""
+        stopped = []
+        for update in updates:
+            req = self.requests.get(update.group.request_id)
+            if req is None:
+                continue  # aborted meanwhile
+            for position, entries in update.prompt_logprobs:
+                req.record_prompt_logprobs(position, entries)
+            keep_logprobs = req.params.logprobs is not None
+            for new in update.new_tokens:
+                seq = new.seq
+                completion = req.completion_of(seq)
+                if new.logprobs is not None:
+                    completion.record_logprobs(new.logprobs, self.tokenizer, keep=keep_logprobs)
+                completion.detok.step(seq.token_ids)
+                if (seq.params.stop and seq.status != SequenceStatus.FINISHED_STOPPED
+                        and seq.num_output_tokens >= seq.params.min_tokens
+                        and completion.truncate_at_stop_string()):
+                    if seq.status.finished:
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+                    else:
+                        stopped.append(seq)
+        return stopped
+
+    def make_outputs(self, updates: list[GroupUpdate], stats: IterationStats) -> list[RequestOutput]:
+        """One RequestOutput per request that sampled this step (None-free: with best_of > n or
+        beams, only once it is done). Finished requests leave, their metrics in `stats`."""
+        now = time.monotonic()
+        outputs = []
+        for update in updates:
+            req = self.requests.get(update.group.request_id)
+            if req is None or not update.sampled:
+                continue
+            out = req.output()
+            if req.finished:
+                reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
+                self._finish(req, reason or "abort", now, stats)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def abort_request(self, request_id: str, stats: IterationStats) -> RequestOutput | None:
+        """The request's output as it stands, after the scheduler aborted its sequences."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort", time.monotonic(), stats)
+        return req.output()
+
+    def _finish(self, req: RequestState, reason: str, now: float, stats: IterationStats) -> None:
+        stats.finish_reasons.append(reason)
+        stats.e2e_latencies.append(now - req.first.arrival_time)
+        del self.requests[req.request_id]

@@ -1,0 +1,60 @@
+"""How the coordinator serves: addresses, admission limit, auth, TLS and the metrics endpoint.
+
+The engine's own configuration is `pagedserve.config.EngineConfig`; these are the front door's
+options, one object for `CoordinatorActor.start`. This module imports nothing of ours (no gRPC,
+no engine), so the CLI checks the options before it starts Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    max_queued_requests: int = 1024  # requests waiting beyond this are refused (queue_full)
+    api_key: str | None = None  # None: no auth; else Serving calls need `authorization: Bearer <key>`
+    tls_cert: bytes | None = None  # PEM certificate chain; TLS needs it and tls_key, or neither
+    tls_key: bytes | None = None  # PEM private key of tls_cert
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # 0 picks a free port; None: see default_metrics
+    default_metrics: bool = False  # with metrics_port None: DEFAULT_METRICS_PORT, or a free one if taken
+
+    def __post_init__(self):
+        for name in ("host", "metrics_host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty host name or address; got {value!r}")
+        _check_port("port", self.port)
+        if self.metrics_port is not None:
+            _check_port("metrics_port", self.metrics_port)
+        if not _is_int(self.max_queued_requests) or self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be an integer >= 1; got {self.max_queued_requests!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError(f"api_key must be a non-empty string, or None for no auth; got {self.api_key!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            raise ValueError(f"TLS needs both a certificate and its private key: {given} is set, {missing} is not")
+        for name in ("tls_cert", "tls_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, bytes) or not value):
+                raise ValueError(f"{name} must be the PEM file's bytes; got {type(value).__name__} "
+                                 f"of length {len(value) if hasattr(value, '__len__') else '?'}")
+        if not isinstance(self.default_metrics, bool):
+            raise ValueError(f"default_metrics must be True or False; got {self.default_metrics!r}")
+
+    @property
+    def tls(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain, private key) as PEM bytes, or None for plaintext."""
+        return (self.tls_cert, self.tls_key) if self.tls_cert is not None else None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_port(name: str, value) -> None:
+    if not _is_int(value) or not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be an integer in 0..65535 (0 picks a free port); got {value!r}")

@@ -1,0 +1,82 @@
+"""`kernels.get_backend`, the one place that picks the attention backend: what `auto` resolves
+to, the refusals, and the cpu backend (C decodes, torch prefills) against the torch one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu
+from tests.test_paged_attention import _random_batch
+
+
+def test_auto_takes_the_c_kernel_on_a_cpu_in_fp32_and_torch_otherwise():
+    assert kernels.get_backend("auto", "cpu", torch.float32).name == ("cpu" if cpu.available() else "torch")
+    assert kernels.get_backend("auto", "cpu", torch.bfloat16).name == "torch"
+    assert kernels.get_backend("auto", "cpu", torch.float16).name == "torch"
+
+
+def test_auto_takes_triton_on_a_gpu():
+    pytest.importorskip("triton")
+    assert kernels.get_backend("auto", "cuda", torch.bfloat16).name == "triton"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_is_always_torch(device, dtype):
+    assert kernels.get_backend("torch", device, dtype).name == "torch"
+
+
+def test_unknown_names_and_unusable_combinations_raise_naming_attention_backend(monkeypatch):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu, triton; got 'cuda'"):
+        kernels.get_backend("cuda", "cuda", torch.bfloat16)
+    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        with pytest.raises(ValueError, match="attention_backend 'cpu' needs device cpu, dtype float32 and a C"):
+            kernels.get_backend("cpu", device, dtype)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs device cuda"):
+        kernels.get_backend("triton", "cpu", torch.float32)
+
+
+def test_importing_kernels_loads_no_backend():
+    """Cheap to import (no torch, no triton), and no `__version__`: a Hugging Face package also
+    imports as `kernels`, and transformers probes its version."""
+    code = ("import sys, kernels\n"
+            "assert not hasattr(kernels, '__version__')\n"
+            "loaded = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or m.startswith('kernels.')]\n"
+            "assert not loaded, loaded\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+LAYOUTS = {  # (query_lens, cached_lens)
+    "mixed": ([1, 12, 1, 30, 1, 5], [40, 0, 7, 25, 90, 3]),  # decodes, fresh prefills, chunks over context
+    "decodes-only": ([1, 1, 1], [15, 64, 33]),
+    "prefills-only": ([9, 20], [0, 17]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_cpu_backend_gives_the_torch_backends_output(layout, block_size):
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU decode kernel")
+    query_lens, cached_lens = LAYOUTS[layout]
+    results = []
+    for name in ("torch", "cpu"):
+        backend = kernels.get_backend(name, "cpu", torch.float32)
+        gen = torch.Generator().manual_seed(block_size)  # the same batch for both
+        cache, query, new_k, new_v, meta, _, _ = _random_batch(
+            gen, block_size, query_lens, cached_lens, num_heads=6, num_kv_heads=2, head_dim=16, backend=backend)
+        assert meta.backend is backend
+        backend.write_kv(new_k, new_v, cache, meta)
+        results.append((cache, backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.25)))
+    (torch_cache, want), (cpu_cache, got) = results
+    assert torch.equal(cpu_cache, torch_cache)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,78 @@
+"""What the coordinator needs to know about a model, without torch: its vocabulary, context
+length, EOS ids and how it may be split across tensor-parallel ranks.
+
+The scheduler, the input processor and the engine loop read a `ModelInfo` (frozen, so that no
+caller can change what another sees); the worker builds its modules from the full transformers
+config, which `load_hf_config` returns fresh on every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.config import ModelSource
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def load_hf_config(source: ModelSource):
+    """The transformers config of a Hugging Face folder or GGUF file; refuses unsupported models."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    archs = getattr(config, "architectures", None) or []
+    if config.model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"model type {config.model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    vocab_size: int
+    # Tokens the model can attend over: its position limit, or its sliding window when smaller
+    # (attention here is full, not windowed: it equals the model's only within the window).
+    max_context: int
+    num_attention_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "ModelInfo":
+        max_context = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if isinstance(window, int) and 0 < window < max_context:
+            max_context = window
+        heads = hf_config.num_attention_heads
+        return cls(vocab_size=hf_config.vocab_size, max_context=max_context, num_attention_heads=heads,
+                   num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+                   intermediate_size=hf_config.intermediate_size,
+                   eos_token_ids=frozenset(_int_ids(getattr(hf_config, "eos_token_id", None))))
+
+    def with_tokenizer_eos(self, tokenizer) -> "ModelInfo":
+        """The tokenizer's EOS id counts too (GGUF files and chat models often name another)."""
+        from dataclasses import replace
+
+        return replace(self, eos_token_ids=self.eos_token_ids | frozenset(_int_ids(tokenizer.eos_token_id)))
+
+    def check_tensor_parallel_size(self, tp: int) -> None:
+        """Refuse a size the model cannot be split by, before anything starts."""
+        if self.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
+                             f"{self.num_attention_heads} attention heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {self.num_kv_heads} KV heads "
+                             "or be a multiple of it")
+        if self.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate size "
+                             f"({self.intermediate_size})")
+
+
+def _int_ids(value) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {v for v in value if isinstance(v, int)}
+    return set()
