@@ -44,6 +44,7 @@ class AsyncEngine:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-input")
         self._ids = itertools.count()
+        self._num_checking = 0  # requests being tokenized and checked: they count as queued
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
 
@@ -64,7 +65,7 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        return len(self._adds) + len(self.llm_engine.scheduler.waiting)
+        return self._num_checking + len(self._adds) + len(self.llm_engine.scheduler.waiting)
 
     async def wait_stopped(self) -> BaseException | None:
         """Wait until the engine loop ends (stop() or a failure); returns the failure, if any."""
@@ -88,9 +89,16 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
-        token_ids = await asyncio.get_running_loop().run_in_executor(
-            self._input_thread, self.llm_engine.input_processor.process, prompt, prompt_token_ids, params, priority,
-            messages)
+        self._num_checking += 1
+        try:
+            token_ids = await asyncio.get_running_loop().run_in_executor(
+                self._input_thread, self.llm_engine.input_processor.process, prompt, prompt_token_ids, params,
+                priority, messages)
+        finally:
+            self._num_checking -= 1
+        if self.error is not None or (self._task is not None and self._task.done()):
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}", request_id, self.error,
+                                  in_flight=False)
         if request_id in self._streams:  # taken while this one was tokenized
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -142,13 +150,17 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         aborts, self._aborts = self._aborts, []
         adds, self._adds = self._adds, []
+        if not (adds or aborts):
+            return
         aborted = set(aborts)
+        engine = self.llm_engine
         for request_id, token_ids, params, priority in adds:
             if request_id in aborted:
                 continue  # cancelled before it ever reached the engine
-            self.llm_engine.add_request(request_id, None, token_ids, params, priority)
+            engine.add_processed_request(request_id, None, token_ids, params, priority)
         for request_id in aborts:
-            self.llm_engine.abort_request(request_id)
+            engine.abort_request(request_id)
+        engine.refresh_stats()  # once for the lot: no step runs now
 
     async def stats(self) -> dict:
         stats = self.llm_engine.stats()

@@ -27,7 +27,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, sample_latency: bool = True):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         self.num_blocks = num_blocks
@@ -36,6 +36,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_allocations = 0
+        self._sample_every = ALLOC_SAMPLE_EVERY if sample_latency else 0  # 0: never
         # Sampled allocation latencies (ns) since the stats last took them (`take_latency_samples`).
         self.alloc_latency_samples_ns: list[int] = []
         self.num_evictions = 0
@@ -54,7 +55,7 @@ class BlockPool:
     def allocate(self) -> int:
         """Take the head of the free queue (evicting its cached hash, if any); ref count 1."""
         self.num_allocations += 1
-        if self.num_allocations % ALLOC_SAMPLE_EVERY != 1:
+        if not self._sample_every or self.num_allocations % self._sample_every != 1:
             return self._allocate()
         start = time.perf_counter_ns()
         block = self._allocate()

@@ -20,7 +20,7 @@ from coordinator.block_pool import BlockPool
 
 class CpuBlockPool(BlockPool):
     def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, sample_latency=False)  # the figure is the device pool's
         self._held_for_step: list[int] = []
 
     def hold_for_step(self, block: int) -> None:

@@ -37,14 +37,15 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, model: ModelInfo, tokenizer,
                  model_name: str = ""):
-        """`model.eos_token_ids` should include the tokenizer's (`ModelInfo.with_tokenizer_eos`).
-        On a refused configuration the executor is shut down: no worker outlives it."""
+        """On a refused configuration the executor is shut down: no worker outlives it."""
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.executor = executor
         self.kv_store: StoreHandle | None = None
+        model = model.with_tokenizer_eos(tokenizer)
         try:
+            _check_model(config, model)
             num_blocks = executor.num_available_blocks()
             self.max_model_len = _resolve_max_model_len(config, model, num_blocks)
             executor.init_cache(num_blocks)
@@ -75,11 +76,8 @@ class LLMEngine:
         source = resolve_model(config.model)
         tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
         hf_config = load_hf_config(source)
-        model = ModelInfo.from_hf_config(hf_config).with_tokenizer_eos(tokenizer)
-        model.check_tensor_parallel_size(config.tensor_parallel_size)
-        if config.max_model_len is not None and config.max_model_len > model.max_context:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                             f"context ({model.max_context} tokens)")
+        model = ModelInfo.from_hf_config(hf_config)
+        _check_model(config, model)  # before any worker starts
         executor = create_executor(config, source, config.max_model_len or model.max_context, hf_config)
         return cls(config, executor, model, tokenizer, source.name)
 
@@ -123,6 +121,14 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_token_ids = self.input_processor.process(prompt, prompt_token_ids, params, priority, messages)
+        self.add_processed_request(request_id, prompt, prompt_token_ids, params, priority)
+
+    def add_processed_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                              params: SamplingParams, priority: int = 0) -> None:
+        """Queue a request that `input_processor.process` has accepted (a server checks it in
+        another thread first)."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority)
         self.output_processor.add_request(group, prompt)
 
@@ -134,7 +140,6 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         out = self.output_processor.abort_request(request_id, stats)
         self.metrics.record(stats)
-        self.scheduler_stats = scheduler_stats(self.scheduler)
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -152,10 +157,16 @@ class LLMEngine:
         outputs = self.output_processor.make_outputs(updates, stats)
         stats.step_seconds = time.perf_counter() - start
         self.metrics.record(stats)
-        self.scheduler_stats = scheduler_stats(self.scheduler)
+        self.refresh_stats()
         return outputs
 
+    def refresh_stats(self) -> None:
+        """Take the scheduler's snapshot now (each step does; call it after adding or aborting
+        requests between steps, from the thread that runs the steps)."""
+        self.scheduler_stats = scheduler_stats(self.scheduler)
+
     def stats(self) -> dict:
+        """The figures as of the latest snapshot: safe to call from any thread."""
         return engine_stats(self)
 
     def shutdown(self) -> None:
@@ -163,6 +174,13 @@ class LLMEngine:
         if self.kv_store is not None:
             self.kv_store.close()
             self.kv_store = None
+
+
+def _check_model(config: EngineConfig, model: ModelInfo) -> None:
+    model.check_tensor_parallel_size(config.tensor_parallel_size)
+    if config.max_model_len is not None and config.max_model_len > model.max_context:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"context ({model.max_context} tokens)")
 
 
 def _resolve_max_model_len(config: EngineConfig, model: ModelInfo, num_blocks: int) -> int:
@@ -174,11 +192,12 @@ def _resolve_max_model_len(config: EngineConfig, model: ModelInfo, num_blocks: i
                          "raise it to at least one block")
     if config.max_model_len is None:
         max_model_len = min(model.max_context, pool_tokens)
+        # EngineConfig checked an explicit max_model_len; this one it could not know.
+        check_batched_tokens(config.max_num_batched_tokens, max_model_len, config.enable_chunked_prefill)
     elif config.max_model_len > pool_tokens:
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the KV pool "
                          f"({num_blocks} blocks x {config.block_size} = {pool_tokens} tokens); "
                          "raise kv_cache_memory or lower max_model_len")
     else:
         max_model_len = config.max_model_len
-    check_batched_tokens(config.max_num_batched_tokens, max_model_len, config.enable_chunked_prefill)
     return max_model_len

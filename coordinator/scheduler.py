@@ -30,7 +30,7 @@ freed at once. Stop strings need text: the output processor finds them and calls
 Workers run a step's transfers in a fixed order: swap-outs (preempted groups, CPU prefix-tier
 saves of evicted blocks), then copy-on-write copies, then swap-ins (swapped groups coming back,
 CPU prefix-tier loads), then the forward pass. So every device block is read before it is
-overwritten; CPU blocks read by a step are held until `end_step`, so no write reuses them.
+overwritten; CPU blocks read by a step are held until `KVCacheManager.end_step`, so no write reuses them.
 """
 
 from __future__ import annotations
@@ -234,13 +234,11 @@ class Scheduler:
                 update = updates[seq.request_id] = GroupUpdate(group)
             return update
 
-        if output.prompt_logprobs:
-            by_id = {seq.seq_id: seq for seq, _ in out.scheduled}
-            for seq_id, entries in output.prompt_logprobs.items():
-                update_of(by_id[seq_id]).prompt_logprobs.append(entries)
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.kv.commit_computed(seq)
+            if seq.seq_id in output.prompt_logprobs:
+                update_of(seq).prompt_logprobs.append(output.prompt_logprobs[seq.seq_id])
             if seq.seq_id not in sampled:
                 continue  # a prefill chunk that is not the last
             update = update_of(seq)

@@ -5,7 +5,9 @@ preemptions: gauges and lifetime counters) and the step fills an `IterationStats
 token counts, latencies, timings) that `EngineMetrics.record` folds into counters and
 histograms. `engine_stats` turns both into the one flat dict that `LLM.stats()`, GetStats and
 the Prometheus collector read. A snapshot is an immutable object replaced whole, so a reader on
-another thread (a scrape) never sees a half-updated one.
+another thread (a scrape) never sees a half-updated one. Only `kv_metadata_bytes` still walks the
+live tables when read (over copies of the lists: safe beside a running step, though not as of
+one instant), since a walk over every block table each step would cost more than it tells.
 """
 
 from __future__ import annotations

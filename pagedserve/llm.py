@@ -93,6 +93,7 @@ class LLM:
         return [results[i] for i in ids]
 
     def stats(self) -> dict:
+        self.engine.refresh_stats()  # this thread runs the steps: the snapshot may be taken now
         return self.engine.stats()
 
     def shutdown(self) -> None:

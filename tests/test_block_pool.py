@@ -278,3 +278,12 @@ def test_take_latency_samples_returns_and_empties_the_samples():
     assert samples is not pool.alloc_latency_samples_ns
     pool.allocate()  # allocation 2 + N: not sampled; the count goes on across takes
     assert pool.take_latency_samples() == []
+
+
+def test_the_cpu_pool_keeps_no_latency_samples_nobody_drains():
+    from coordinator.cpu_block_pool import CpuBlockPool
+
+    pool = CpuBlockPool(4)
+    for _ in range(3):
+        pool.allocate()
+    assert pool.alloc_latency_samples_ns == []

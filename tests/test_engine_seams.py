@@ -254,3 +254,41 @@ def test_output_processor_abort_reports_what_was_generated(bundled_tokenizer):
     assert out.finished and out.outputs[0].token_ids == [300] and out.outputs[0].finish_reason == "abort"
     assert stats.finish_reasons == ["abort"] and len(stats.e2e_latencies) == 1
     assert processor.abort_request("a", stats) is None
+
+
+def test_a_burst_cannot_overfill_the_queue_while_its_prompts_are_tokenized(bundled_tokenizer):
+    import asyncio
+
+    from coordinator.async_engine import AsyncEngine, QueueFullError
+
+    async def burst():
+        engine = AsyncEngine(fake_engine(bundled_tokenizer), max_queued_requests=2)
+        engine.start()
+
+        async def first_output(i):
+            stream = engine.generate(f"prompt number {i}", None, SamplingParams(max_tokens=2))
+            try:
+                return await anext(stream)
+            finally:
+                await stream.aclose()
+
+        results = await asyncio.gather(*(first_output(i) for i in range(6)), return_exceptions=True)
+        await engine.stop()
+        return results
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    assert len(refused) == 4 and sum(not isinstance(r, BaseException) for r in results) == 2
+
+
+def test_stats_between_steps_see_added_and_aborted_requests(bundled_tokenizer):
+    engine = fake_engine(bundled_tokenizer)
+    engine.add_request("a", None, [5, 6, 7], SamplingParams(max_tokens=3))
+    engine.add_request("b", None, [5, 6, 8], SamplingParams(max_tokens=3))
+    engine.refresh_stats()
+    assert engine.stats()["num_requests_waiting"] == 2
+    engine.step()
+    engine.abort_request("a")
+    engine.refresh_stats()
+    stats = engine.stats()
+    assert stats["num_requests_running"] == 1 and stats["requests_finished_abort"] == 1
