@@ -8,12 +8,19 @@
 
 It owns: the executor (built by the caller and passed in; `from_config` builds the usual one),
 the KV pool's size, the KV store (started, watched, restarted), and the parts' wiring.
+
+Worker faults: a step that raises `WorkerFailedError` (a worker died, hung past step_timeout, or
+broke its collective group) is recovered when an `executor_factory` was given: the group is
+replaced, the device pool starts empty, and every unfinished request recomputes from the tokens
+the coordinator holds, so its stream goes on with nothing repeated or missing. More than
+max_worker_restarts within restart_window re-raises: the engine fails for good.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.engine_core import EngineCore
@@ -28,7 +35,7 @@ from coordinator.sequence import SequenceStatus
 from coordinator.stats import IterationStats, SchedulerStats, engine_stats, scheduler_stats
 from kvstore.store import StoreHandle
 from pagedserve.config import EngineConfig, check_batched_tokens, resolve_model
-from workers.executor import Executor
+from workers.executor import Executor, WorkerFailedError
 from workers.model_config import ModelInfo, load_hf_config
 
 log = logging.getLogger(__name__)
@@ -36,9 +43,12 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, model: ModelInfo, tokenizer,
-                 model_name: str = ""):
-        """On a refused configuration the executor is shut down: no worker outlives it."""
+                 model_name: str = "", executor_factory: Callable[[], Executor] | None = None):
+        """On a refused configuration the executor is shut down: no worker outlives it.
+        `executor_factory` builds a replacement group after a worker fault (None: no recovery)."""
         self.config = config
+        self._executor_factory = executor_factory
+        self._restart_times: list[float] = []  # of worker-group rebuilds, within restart_window
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.executor = executor
@@ -78,8 +88,10 @@ class LLMEngine:
         hf_config = load_hf_config(source)
         model = ModelInfo.from_hf_config(hf_config)
         _check_model(config, model)  # before any worker starts
-        executor = create_executor(config, source, config.max_model_len or model.max_context, hf_config)
-        return cls(config, executor, model, tokenizer, source.name)
+        def build_executor() -> Executor:
+            return create_executor(config, source, config.max_model_len or model.max_context, hf_config)
+
+        return cls(config, build_executor(), model, tokenizer, source.name, executor_factory=build_executor)
 
     # ---- the KV store ------------------------------------------------------------------------
     def _open_kv_store(self, replacing_dead: bool = False) -> tuple[StoreHandle | None, CpuBlockPool | None]:
@@ -100,11 +112,11 @@ class LLMEngine:
             raise
         return store, CpuBlockPool(num_cpu_blocks)
 
-    def _restart_kv_store(self) -> None:
-        """The store died: swapped groups recompute (same tokens), and a new store takes over.
-        If none can be started, preemption recomputes from now on."""
+    def _restart_kv_store(self, why: str = "the KV store died") -> None:
+        """Swapped groups recompute (same tokens), and a new store takes over. If none can be
+        started, preemption recomputes from now on."""
         moved = self.scheduler.recompute_swapped()
-        log.warning("the KV store died; %d swapped sequences will recompute; restarting it", moved)
+        log.warning("%s; %d swapped sequences will recompute; restarting the KV store", why, moved)
         self.kv_store.close()
         self.kv_store_restarts += 1
         try:
@@ -151,7 +163,11 @@ class LLMEngine:
         if self.kv_store is not None and not self.kv_store.alive():
             self._restart_kv_store()
         stats = IterationStats()
-        updates = self.core.step(stats)
+        try:
+            updates = self.core.step(stats)
+        except WorkerFailedError as error:
+            self._recover(error, stats)
+            updates = []
         for seq in self.output_processor.detokenize(updates):
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         outputs = self.output_processor.make_outputs(updates, stats)
@@ -159,6 +175,41 @@ class LLMEngine:
         self.metrics.record(stats)
         self.refresh_stats()
         return outputs
+
+    def _recover(self, error: WorkerFailedError, stats: IterationStats) -> None:
+        """Replace the failed worker group and resume every request, or re-raise `error` when
+        there is no factory or the restart budget is spent."""
+        detected = time.perf_counter()
+        now = time.monotonic()
+        window = self.config.restart_window
+        self._restart_times = [t for t in self._restart_times if now - t < window]
+        if self._executor_factory is None or len(self._restart_times) >= self.config.max_worker_restarts:
+            log.error("the worker group failed (%s) and no restart is left (%d within %g s): %s",
+                      error.cause, len(self._restart_times), window, error)
+            raise error
+        self._restart_times.append(now)
+        log.error("the worker group failed (%s): %s; rebuilding it", error.cause, error)
+        self.executor.shutdown()
+        num_blocks = self.scheduler.kv.num_blocks
+        executor = self._executor_factory()
+        try:
+            if executor.num_available_blocks() < num_blocks:
+                raise RuntimeError(f"the rebuilt worker group holds fewer than the {num_blocks} KV blocks "
+                                   "the scheduler manages")
+            executor.init_cache(num_blocks)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.executor = self.core.executor = executor
+        moved = self.scheduler.reset_after_worker_loss()
+        if self.kv_store is not None:  # what the failed step wrote into it cannot be trusted
+            self._restart_kv_store("the worker group was rebuilt")
+        resumed = sum(1 for group in self.scheduler.groups.values())
+        stats.worker_restarts.append(error.cause)
+        stats.requests_resumed += resumed
+        stats.recovery_seconds.append(time.perf_counter() - detected)
+        log.warning("worker group rebuilt in %.2f s; %d requests (%d running sequences) resume",
+                    stats.recovery_seconds[-1], resumed, moved)
 
     def refresh_stats(self) -> None:
         """Take the scheduler's snapshot now (each step does; call it after adding or aborting

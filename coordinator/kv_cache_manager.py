@@ -146,6 +146,15 @@ class KVCacheManager:
         self.pool.evicted = [] if self.cpu_tier_enabled else None
         self.pending_loads = []
 
+    def reset_device_pool(self) -> None:
+        """The workers' caches are gone (a rebuilt worker group): every device block is free and
+        uncached again. Callers take the sequences' tables off first; the CPU pool stays."""
+        self.pool = BlockPool(self.pool.num_blocks)
+        self.pool.evicted = [] if self.cpu_tier_enabled else None
+        self.pending_copies = []
+        self.pending_loads = []
+        self._num_registered = {}
+
     def end_step(self) -> None:
         """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
         if self.cpu_pool is not None:

@@ -67,6 +67,7 @@ HISTOGRAMS = {  # name -> (buckets, help)
     "step_duration_seconds": (LATENCY_BUCKETS, "Duration of one engine step (schedule, execute, process)"),
     "tokens_per_step": (TOKENS_PER_STEP_BUCKETS, "Tokens computed in one engine step"),
     "swap_transfer_seconds": (LATENCY_BUCKETS, "Time of one step's swap and CPU-tier transfers on rank 0"),
+    "recovery_seconds": (LATENCY_BUCKETS, "Time from a worker fault detected to a rebuilt worker group"),
 }
 
 
@@ -86,6 +87,8 @@ class EngineMetrics:
         self.num_generation_tokens = 0
         self.execute_seconds = 0.0
         self.worker_seconds = 0.0
+        self.worker_restarts: Counter[str] = Counter()  # by cause: death, hang, error
+        self.requests_resumed = 0
 
     def record(self, it: IterationStats) -> None:
         observe = self.histograms
@@ -100,6 +103,10 @@ class EngineMetrics:
         # Recorded before the step's snapshot replaces the one that still counts these requests in
         # flight: a scrape in between may count one twice, never miss one.
         self.finished.update(it.finish_reasons)
+        self.worker_restarts.update(it.worker_restarts)
+        self.requests_resumed += it.requests_resumed
+        for value in it.recovery_seconds:
+            observe["recovery_seconds"].observe(value)
         for ns in it.alloc_latencies_ns:
             self.alloc_latency_us.observe(ns / 1000)
         self.recent_alloc_latency_ns.extend(it.alloc_latencies_ns)

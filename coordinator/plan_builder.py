@@ -11,9 +11,10 @@ from workers.step_plan import PromptLogprobsRequest, SeqSampling, StepPlan
 
 
 def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | None = None,
-                 sample_index: int = 0) -> SeqSampling:
-    """How the worker picks `seq`'s next token. A fork sampled from its parent's logits gets its
-    own `seq_id` and its own seed (`seed + sample_index`), as vLLM seeds parallel samples."""
+                 sample_index: int | None = None) -> SeqSampling:
+    """How the worker picks `seq`'s next token. Sample j of a request draws with `seed + j`, as
+    vLLM seeds parallel samples: a fork sampled from its parent's logits passes its own `seq_id`
+    and `sample_index`; afterwards the forked sequence carries its index."""
     p = seq.params
     banned: tuple[int, ...] = ()
     if seq.num_output_tokens < p.min_tokens:
@@ -21,8 +22,9 @@ def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | Non
         if not p.ignore_eos:
             stops |= eos_token_ids
         banned = tuple(sorted(stops))
+    index = seq.sample_index if sample_index is None else sample_index
     sampling = SeqSampling(seq.seq_id if seq_id is None else seq_id, p.temperature, p.top_p, p.top_k, p.min_p,
-                           None if p.seed is None else p.seed + sample_index, banned)
+                           None if p.seed is None else p.seed + index, banned, position=seq.num_tokens)
     if p.allowed_token_ids is not None:
         sampling.allowed_token_ids = tuple(p.allowed_token_ids)
     if p.logit_bias:

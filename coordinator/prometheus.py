@@ -103,6 +103,9 @@ class PagedserveCollector:
                        {"saved": s["cpu_prefix_cache_saved_blocks"], "loaded": s["cpu_prefix_cache_loaded_blocks"]})
         yield counter("swapped_out_bytes", "Bytes swapped out to the KV store", s["swap_out_bytes"])
         yield counter("swapped_in_bytes", "Bytes swapped in from the KV store", s["swap_in_bytes"])
+        yield labelled(CounterMetricFamily, "worker_restarts", "Worker groups rebuilt after a fault, by cause",
+                       "cause", {cause: s[f"worker_restarts_{cause}"] for cause in ("death", "hang", "error")})
+        yield counter("requests_resumed", "Requests resumed on a rebuilt worker group", s["requests_resumed"])
         yield labelled(CounterMetricFamily, "requests_finished", "Requests finished, by reason", "reason",
                        {reason: engine.metrics.finished[reason] for reason in FINISH_REASONS})
         for name, (_, doc) in HISTOGRAMS.items():

@@ -277,6 +277,8 @@ class Scheduler:
         """The parent's prompt is computed: fork the other samples onto its blocks (ref counts,
         no copy; the first write into the shared partial block copies it)."""
         children = [self.spawn(parent, fork_id) for fork_id in parent.fork_ids]
+        for j, child in enumerate(children, start=1):
+            child.sample_index = j
         group.seqs += children
         parent.fork_ids = []
         return children
@@ -324,7 +326,7 @@ class Scheduler:
             if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running), cpu_blocks=loaded):
                 break  # nobody overtakes the head of the queue (the first in policy order)
             kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size, len(loaded) * kv.block_size)
-            if seq.num_preemptions == 0:
+            if seq.first_scheduled_time is None:  # its first admission
                 seq.num_cached_prompt_tokens = (len(computed) + len(loaded)) * kv.block_size
             self.waiting.remove(seq)
             self._waiting_since.pop(seq.seq_id, None)
@@ -366,6 +368,23 @@ class Scheduler:
             self._waiting_since[seq.seq_id] = self.num_steps
             self.waiting.appendleft(seq)
         return len(seqs)
+
+    def reset_after_worker_loss(self) -> int:
+        """The worker group was lost with every device block: the device pool starts empty (its
+        prefix cache with it), and every running sequence goes back to the front of waiting with
+        its tokens kept, to recompute as recompute preemption does (not counted as one). Swapped
+        groups are the KV store's to keep or recompute. Returns how many sequences moved."""
+        running, self.running = self.running, []
+        self.kv.reset_device_pool()
+        for seq in reversed(running):
+            seq.block_table = []
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._waiting_since[seq.seq_id] = self.num_steps
+            self.waiting.appendleft(seq)
+        for group in self.groups.values():
+            group.pending_beam_logprobs.clear()  # every beam samples its position again
+        return len(running)
 
     def _swappable(self, seq: Sequence) -> bool:
         if self.kv.cpu_pool is None or self.preemption_mode == "recompute":

@@ -36,7 +36,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt_token_ids", "token_ids", "params", "status",
                  "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
-                 "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table", "last_token_time")
+                 "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table", "last_token_time",
+                 "sample_index")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
@@ -61,6 +62,7 @@ class Sequence:
         self.fork_ids: list[int] = []
         self.priority = 0  # lower runs first under the priority scheduling policy
         self.cpu_block_table: list[int] = []  # while swapped out: its blocks in the CPU KV store
+        self.sample_index = 0  # j of a request's n samples: it draws with seed + j
 
     @property
     def num_tokens(self) -> int:

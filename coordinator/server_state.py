@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from workers.executor import WorkerFailedError
 
 STATUSES = ("loading", "serving", "failed", "stopping")
 REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthenticated")
@@ -37,10 +38,13 @@ Listener = Callable[[str], Awaitable[None]]
 def error_kind(error: BaseException) -> str:
     """The status kind of an error raised by `AsyncEngine.generate` (or its stream): ValueError ->
     invalid_argument, QueueFullError -> queue_full, EngineDeadError -> unavailable when refused
-    before it was queued, internal when the engine died under the request; anything else is a bug
+    before it was queued or when the workers failed past their restart budget (a fail-stop, not a
+    bug), internal when the engine loop itself failed under the request; anything else is a bug
     (internal)."""
     if isinstance(error, EngineDeadError):
-        return "internal" if error.in_flight else "unavailable"
+        if not error.in_flight or isinstance(error.cause, WorkerFailedError):
+            return "unavailable"
+        return "internal"
     if isinstance(error, QueueFullError):
         return "queue_full"
     if isinstance(error, ValueError):
@@ -138,11 +142,11 @@ class ServerState:
         when the engine died under it, log it with the request id and fail the server before the
         client hears of it; returns the status kind."""
         kind = error_kind(error)
-        if kind != "internal":
-            self.rejected[kind] += 1
-        elif isinstance(error, EngineDeadError):
+        if isinstance(error, EngineDeadError) and error.in_flight:
             log.error("request %s failed: the engine loop raised %r", error.request_id, error.cause)
             await self.engine_died(error.cause)
+        elif kind != "internal":
+            self.rejected[kind] += 1
         else:
             log.error("a request failed: %r", error)
         return kind

@@ -66,6 +66,9 @@ class IterationStats:
     execute_seconds: float = 0.0  # executor.execute as the engine sees it
     worker_seconds: float = 0.0  # of which rank 0 computed; the rest is dispatch overhead
     swap_seconds: float = 0.0  # of which its swaps and CPU-tier transfers took
+    worker_restarts: list[str] = field(default_factory=list)  # causes: death, hang, error
+    requests_resumed: int = 0
+    recovery_seconds: list[float] = field(default_factory=list)  # fault detected to workers back
 
 
 def scheduler_stats(scheduler) -> SchedulerStats:
@@ -125,6 +128,9 @@ def engine_stats(engine) -> dict:
         "kv_pool_bytes": engine.kv_pool_bytes,
         "kv_metadata_bytes": kv_metadata_bytes(engine.scheduler),
         "kv_store_restarts": engine.kv_store_restarts,
+        "worker_restarts": sum(metrics.worker_restarts.values()),
+        **{f"worker_restarts_{cause}": metrics.worker_restarts[cause] for cause in ("death", "hang", "error")},
+        "requests_resumed": metrics.requests_resumed,
         "prompt_tokens": metrics.num_prompt_tokens,
         "generation_tokens": metrics.num_generation_tokens,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).

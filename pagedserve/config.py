@@ -50,6 +50,11 @@ class EngineConfig:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs for decode steps (GPU)"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
+    step_timeout: float = field(default=120.0, metadata={
+        "help": "seconds without a step result before the workers count as hung and are replaced"})
+    max_worker_restarts: int = field(default=3, metadata={
+        "help": "worker-group rebuilds allowed within restart_window before the engine fails for good"})
+    restart_window: float = field(default=600.0, metadata={"help": "seconds over which max_worker_restarts counts"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +80,11 @@ class EngineConfig:
             _at_least("max_model_len", self.max_model_len, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _at_least("max_worker_restarts", self.max_worker_restarts, 0)
+        for name in ("step_timeout", "restart_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0; got {value!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.preemption_mode == "swap" and self.swap_space == 0:

@@ -46,6 +46,9 @@ EXPECTED_TYPES = {
     "pagedserve_step_duration_seconds": "histogram",
     "pagedserve_tokens_per_step": "histogram",
     "pagedserve_swap_transfer_seconds": "histogram",
+    "pagedserve_recovery_seconds": "histogram",
+    "pagedserve_worker_restarts": "counter",
+    "pagedserve_requests_resumed": "counter",
 }
 
 

@@ -16,7 +16,12 @@ from workers.step_plan import StepOutput, StepPlan
 
 class WorkerFailedError(RuntimeError):
     """A worker died, hung, or raised inside a step: the group's state can no longer be trusted.
-    Raised by every executor for every lost or failed worker, with the original as `__cause__`."""
+    Raised by every executor for every lost or failed worker, with the original as `__cause__`.
+    `cause`: "death" (a process is gone), "hang" (no result within step_timeout) or "error"."""
+
+    def __init__(self, message: str, cause: str = "error"):
+        super().__init__(message)
+        self.cause = cause
 
 
 class Executor(ABC):

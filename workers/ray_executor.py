@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -75,6 +76,7 @@ class WorkerActor:
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         size = config.tensor_parallel_size
+        self.step_timeout = config.step_timeout
         if not ray.is_initialized():
             # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
             # logical CPU per rank even where the ranks outnumber the cores.
@@ -108,12 +110,26 @@ class RayExecutor(Executor):
         try:
             return ray.get([w.call.remote(method, *args) for w in self.workers])
         except ray.exceptions.RayActorError as e:  # an error raised by the method passes as it is
-            raise WorkerFailedError(f"a worker died in {method}: {e}") from e
+            raise WorkerFailedError(f"a worker died in {method}: {e}", cause="death") from e
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Rank 0's output. Results are taken as they come, so that one failed rank is seen at
+        once, not after its peers give up waiting for it in a collective; a step with no result
+        within step_timeout counts as a hang."""
         ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank
+        refs = [w.call.remote("execute", ref) for w in self.workers]
+        deadline = time.monotonic() + self.step_timeout
+        pending = refs
         try:
-            return ray.get([w.call.remote("execute", ref) for w in self.workers])[0]
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise WorkerFailedError(f"no step result within step_timeout ({self.step_timeout} s): "
+                                            "a worker hangs", cause="hang")
+                ray.get(ready[0])  # raises at once for a rank that failed
+            return ray.get(refs[0])
+        except ray.exceptions.RayActorError as e:
+            raise WorkerFailedError(f"a worker died during a step: {e}", cause="death") from e
         except ray.exceptions.RayError as e:
             raise WorkerFailedError(f"a worker failed a step: {e}") from e
 

@@ -1,7 +1,9 @@
 """Token sampling for a batch: greedy, temperature, top-k / top-p / min-p, per-request seeds.
 
-Seeded sequences draw from their own `torch.Generator`, kept across steps (and across
-preemption) by sequence id, so their tokens do not depend on the batch they run in.
+A seeded sequence's noise at each token is a function of (seed, position) alone (parallel
+samples get seed + sample index): no generator state lives in a worker, so its tokens do not
+depend on the batch it runs in, on preemption, or on which worker process draws them (a worker
+rebuilt after a fault draws the same).
 """
 
 from __future__ import annotations
@@ -56,14 +58,17 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, chosen, rank, top_ids, top_values)
 
 
+def _noise_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for one draw; nearby (seed, position) pairs land far apart."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    mixed ^= mixed >> 31
+    return mixed & 0x7FFFFFFFFFFFFFFF
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
-        self._generators: dict[int, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
-
-    def drop(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self._generators.pop(seq_id, None)
+        self._seeded = torch.Generator()
 
     def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> tuple[torch.Tensor, list | None]:
         """logits: [N, vocab] fp32 raw model outputs, one row per entry of `params`. Returns the
@@ -121,8 +126,5 @@ class Sampler:
                 generator=self._default_generator)
         for i, p in enumerate(params):
             if p.seed is not None:
-                gen = self._generators.get(p.seq_id)
-                if gen is None:
-                    gen = self._generators[p.seq_id] = torch.Generator().manual_seed(p.seed)
-                noise[i].exponential_(generator=gen)
+                noise[i].exponential_(generator=self._seeded.manual_seed(_noise_seed(p.seed, p.position)))
         return (probs / noise).argmax(dim=-1)

@@ -32,6 +32,7 @@ class SeqSampling:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     num_logprobs: int = -1  # -1: none; 0: the sampled token's only; k: and the top k
+    position: int = 0  # of the token drawn: with `seed`, its noise is a function of (seed, position)
 
     @property
     def has_penalties(self) -> bool:
@@ -78,7 +79,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, device_block)
     # (cpu_block, device_block) reads from the CPU prefix tier: the CPU block stays valid.
     load: list[tuple[int, int]] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)  # drop their per-sequence state
+    finished_seq_ids: list[int] = field(default_factory=list)  # ended since the last plan
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
     @property

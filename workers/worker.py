@@ -156,7 +156,6 @@ class Worker:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepOutput:
-        self.sampler.drop(plan.finished_seq_ids)
         if plan.num_tokens == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64))
         input_ids, positions = (_tensor(a).to(self.device, non_blocking=True) for a in (plan.input_ids, plan.positions))
