@@ -47,9 +47,23 @@ class AsyncEngine:
         self._num_checking = 0  # requests being tokenized and checked: they count as queued
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
+        self.restarting = False  # the workers are being rebuilt after a fault
+        self._restart_listeners: list = []
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self.llm_engine.recovery_listeners.append(
+            lambda restarting: loop.call_soon_threadsafe(self._set_restarting, restarting))
+
+    def add_restart_listener(self, listener) -> None:
+        """`await listener(restarting)` when a worker-group rebuild starts (True) and ends (False)."""
+        self._restart_listeners.append(listener)
+
+    def _set_restarting(self, restarting: bool) -> None:
+        self.restarting = restarting
+        for listener in self._restart_listeners:
+            asyncio.get_running_loop().create_task(listener(restarting))
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -49,6 +49,8 @@ class LLMEngine:
         self.config = config
         self._executor_factory = executor_factory
         self._restart_times: list[float] = []  # of worker-group rebuilds, within restart_window
+        # Told True when a rebuild starts and False when it ends, from the thread that steps.
+        self.recovery_listeners: list[Callable[[bool], None]] = []
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.executor = executor
@@ -189,7 +191,25 @@ class LLMEngine:
             raise error
         self._restart_times.append(now)
         log.error("the worker group failed (%s): %s; rebuilding it", error.cause, error)
-        self.executor.shutdown()
+        for listener in self.recovery_listeners:
+            listener(True)
+        try:
+            self.executor.shutdown()
+            self.executor = self.core.executor = self._new_executor()
+        finally:
+            for listener in self.recovery_listeners:
+                listener(False)
+        moved = self.scheduler.reset_after_worker_loss()
+        if self.kv_store is not None:  # what the failed step wrote into it cannot be trusted
+            self._restart_kv_store("the worker group was rebuilt")
+        resumed = sum(1 for group in self.scheduler.groups.values())
+        stats.worker_restarts.append(error.cause)
+        stats.requests_resumed += resumed
+        stats.recovery_seconds.append(time.perf_counter() - detected)
+        log.warning("worker group rebuilt in %.2f s; %d requests (%d running sequences) resume",
+                    stats.recovery_seconds[-1], resumed, moved)
+
+    def _new_executor(self) -> Executor:
         num_blocks = self.scheduler.kv.num_blocks
         executor = self._executor_factory()
         try:
@@ -200,16 +220,7 @@ class LLMEngine:
         except BaseException:
             executor.shutdown()
             raise
-        self.executor = self.core.executor = executor
-        moved = self.scheduler.reset_after_worker_loss()
-        if self.kv_store is not None:  # what the failed step wrote into it cannot be trusted
-            self._restart_kv_store("the worker group was rebuilt")
-        resumed = sum(1 for group in self.scheduler.groups.values())
-        stats.worker_restarts.append(error.cause)
-        stats.requests_resumed += resumed
-        stats.recovery_seconds.append(time.perf_counter() - detected)
-        log.warning("worker group rebuilt in %.2f s; %d requests (%d running sequences) resume",
-                    stats.recovery_seconds[-1], resumed, moved)
+        return executor
 
     def refresh_stats(self) -> None:
         """Take the scheduler's snapshot now (each step does; call it after adding or aborting

@@ -235,8 +235,9 @@ class ServingServer:
         if status == "stopping":
             await self.health.enter_graceful_shutdown()  # NOT_SERVING, and no later change
             return
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, _SERVING if status == "serving" else _NOT_SERVING)
+        # Liveness ("") stays up while the workers restart; readiness (the service) does not.
+        await self.health.set("", _SERVING if status in ("serving", "restarting") else _NOT_SERVING)
+        await self.health.set(SERVICE_NAME, _SERVING if status == "serving" else _NOT_SERVING)
 
     async def start(self, host: str = "127.0.0.1", port: int = 50051) -> int:
         """Bind host:port (port 0 picks a free one) and start answering; returns the bound port."""

@@ -1,8 +1,9 @@
 """The front door's state, shared by every transport (gRPC, HTTP): one object, no transport in it.
 
     loading --set_engine--> serving --the engine loop fails--> failed (for good)
+    serving --a worker fault--> restarting --the worker group is rebuilt--> serving
     loading --set_failed (the model failed to load)--> failed
-    loading or serving --stop--> stopping
+    loading, serving or restarting --stop--> stopping
 
 Each transport answers from it: requests only while `status == "serving"`, else UNAVAILABLE (HTTP
 503) with `reason`; the bearer-token check; the refusal counters (GetStats, /metrics); and the
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from workers.executor import WorkerFailedError
 
-STATUSES = ("loading", "serving", "failed", "stopping")
+STATUSES = ("loading", "serving", "restarting", "failed", "stopping")
 REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthenticated")
 # The status kinds: every refusal reason, and "internal" for a bug (the engine died under a request).
 KINDS = (*REJECT_REASONS, "internal")
@@ -94,7 +95,16 @@ class ServerState:
             raise RuntimeError(f"the engine is set once, while loading; the server is {self.status}")
         self.engine = engine
         self._watcher = asyncio.get_running_loop().create_task(self._watch(engine))
+        engine.add_restart_listener(self._workers_restarting)
         await self._set("serving", "")
+
+    async def _workers_restarting(self, restarting: bool) -> None:
+        """Not ready while the workers are rebuilt (in-flight streams wait, new requests are
+        refused); serving again after, unless the server failed or stops meanwhile."""
+        if restarting and self.status == "serving":
+            await self._set("restarting", "workers restarting after a fault; retry shortly")
+        elif not restarting and self.status == "restarting":
+            await self._set("serving", "")
 
     async def set_failed(self, reason: str) -> None:
         """Failed for good: requests are refused with `reason`."""
@@ -116,7 +126,7 @@ class ServerState:
         """The server is shutting down: refuse new requests (a failed server keeps its reason)."""
         if self._watcher is not None:
             self._watcher.cancel()
-        if self.status in ("loading", "serving"):
+        if self.status in ("loading", "serving", "restarting"):
             await self._set("stopping", "the server is shutting down")
 
     def check_auth(self, authorization: str | None) -> str | None:

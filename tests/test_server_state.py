@@ -24,6 +24,10 @@ class FakeEngine:
 
     def __init__(self):
         self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.restart_listeners = []
+
+    def add_restart_listener(self, listener):
+        self.restart_listeners.append(listener)
 
     async def wait_stopped(self):
         return await self.ended
@@ -222,3 +226,23 @@ def test_options_import_nothing_and_the_state_names_no_transport():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {name for name in imported if name.split(".")[0] in ("grpc", "grpc_health", "fastapi", "starlette")}
+
+
+def test_a_worker_restart_turns_readiness_off_and_back_on():
+    async def run():
+        state = ServerState()
+        seen = _recording(state)
+        engine = FakeEngine()
+        await state.set_engine(engine)
+        (restart,) = engine.restart_listeners
+        await restart(True)
+        assert state.status == "restarting" and not state.serving and "workers restarting" in state.reason
+        await restart(False)
+        assert state.serving
+        await state.stop()
+        await restart(True)  # a rebuild finishing during shutdown does not bring it back
+        await restart(False)
+        assert state.status == "stopping"
+        return [status for status, _ in seen]
+
+    assert asyncio.run(run()) == ["serving", "restarting", "serving", "stopping"]
