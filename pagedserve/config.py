@@ -112,6 +112,13 @@ def _at_least(name, value, low):
         raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
 
 
+def cache_dir() -> Path:
+    """pagedserve's local cache (compiled kernels, dequantized weights): $PAGEDSERVE_CACHE, or
+    ~/.cache/pagedserve."""
+    base = os.environ.get("PAGEDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+    return Path(base)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where a model's files lie: a Hugging Face folder, or a folder plus a GGUF file name."""

@@ -97,3 +97,25 @@ def test_smollm2_beam_search_equals_transformers(smollm2, hf_smollm2, width):
                             SamplingParams(use_beam_search=True, beam_width=width, max_tokens=12), use_tqdm=False)
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_beam(hf_smollm2, p, width)
+
+
+def test_dequantized_weights_are_cached_and_the_next_load_reads_them(tmp_path, monkeypatch):
+    import transformers
+
+    from workers import model_loader
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    src = resolve_model("smollm2-135m-instruct")
+    first = dict(model_loader._gguf_tensors(src))
+    cached = model_loader.dense_cache_path(src)
+    assert cached.parent == tmp_path / "weights" and cached.exists()
+    assert cached.stat().st_mode & 0o077 == 0  # this user's only
+
+    def no_dequantizing(*args, **kwargs):
+        raise AssertionError("the cached load dequantized the GGUF file again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_dequantizing)
+    again = dict(model_loader._gguf_tensors(src))
+    # The tied LM head is stored once, under the embedding's name; every other tensor is equal.
+    assert set(first) - set(again) == {"lm_head.weight"}
+    assert all(torch.equal(first[name], again[name]) for name in again)

@@ -62,12 +62,12 @@ class Executor(ABC):
 
 def create_executor(config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None) -> Executor:
     """The executor `distributed_executor_backend` asks for: Ray for `ray`, or `auto` with more
-    than one rank; in process otherwise. `hf_config` spares an in-process worker a second parse."""
+    than one rank; in process otherwise. `hf_config` spares the workers a second parse."""
     backend = config.distributed_executor_backend
     if backend == "ray" or (backend == "auto" and config.tensor_parallel_size > 1):
         from workers.ray_executor import RayExecutor
 
-        return RayExecutor(config, source, max_model_len)
+        return RayExecutor(config, source, max_model_len, hf_config)
     from workers.inprocess_executor import InProcessExecutor
 
     return InProcessExecutor(config, source, max_model_len, hf_config)

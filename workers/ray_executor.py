@@ -37,7 +37,7 @@ class WorkerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
-              address: tuple[str, int]) -> None:
+              address: tuple[str, int], hf_config=None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -53,7 +53,7 @@ class WorkerActor:
             backend = "nccl" if config.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
                                     rank=rank, world_size=size)
-        self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size))
+        self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size), hf_config)
 
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
@@ -74,7 +74,7 @@ class WorkerActor:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None):
         size = config.tensor_parallel_size
         self.step_timeout = config.step_timeout
         if not ray.is_initialized():
@@ -100,7 +100,8 @@ class RayExecutor(Executor):
                 for rank in range(size)]
             address = ray.get(self.workers[0].rendezvous_address.remote())
             config_dict = dataclasses.asdict(config)
-            ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address)
+            config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
+            ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, config_ref)
                      for rank, w in enumerate(self.workers)])
         except BaseException:
             self.shutdown()
