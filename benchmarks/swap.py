@@ -117,7 +117,7 @@ def grpc_bandwidth(cache: torch.Tensor, blocks: int, block_bytes: int, repeats: 
     proc.start()
     try:
         layout = here.recv()
-        space = GrpcSwapSpace(layout, 0, cache, layout.grpc_address)
+        space = GrpcSwapSpace(layout, 0, cache)
         pairs = [(b, b) for b in range(blocks)]
         out = best_seconds(lambda: space.swap_out(pairs), repeats)
         snapshot = cache.clone()

@@ -13,6 +13,8 @@ is exactly kvstore.proto's, so any protobuf client or server interoperates.
 
 from __future__ import annotations
 
+import collections
+import hmac
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -98,7 +100,17 @@ def decode_chunk(raw: bytes) -> tuple[bytes, memoryview]:
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, layout: StoreLayout, valid: np.ndarray, data: np.ndarray):
+        if not layout.secret:
+            raise ValueError("the store's gRPC service needs a secret (StoreLayout.secret)")
         self.layout, self.valid, self.data = layout, valid, data
+        self._expected = f"Bearer {layout.secret}".encode()
+
+    def _check_secret(self, context) -> None:
+        """Refuse a caller without the store's secret before reading a byte it sent; the
+        comparison takes the same time wherever the value differs."""
+        got = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(got.encode("utf-8", "replace"), self._expected):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong KV store secret")
 
     def _check_piece(self, rank, piece) -> tuple[int, int, int]:
         if not (isinstance(piece, list) and len(piece) == 3
@@ -112,6 +124,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
     def PutBlocks(self, request_iterator, context):
         """`request_iterator` yields serialized BlockChunks (see `serve`): parsed as views."""
+        self._check_secret(context)
         received: dict[tuple[int, int], int] = {}
         writes = []
         try:
@@ -149,6 +162,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.PutReply(blocks=len(received))
 
     def GetBlocks(self, request, context):
+        self._check_secret(context)
         try:
             manifest = _unpack(request.manifest, ("blocks", "rank"))
             blocks, rank = manifest["blocks"], manifest["rank"]
@@ -215,16 +229,52 @@ def serve(layout: StoreLayout, valid: np.ndarray, data: np.ndarray, host: str) -
     return server, port
 
 
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <secret>` to every call of a channel."""
+
+    def __init__(self, secret: str):
+        self._metadata = (("authorization", f"Bearer {secret}"),)
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self._metadata, d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def store_channel(layout: StoreLayout) -> grpc.Channel:
+    """A channel to the store's service that carries its secret on every call."""
+    return grpc.intercept_channel(grpc.insecure_channel(layout.grpc_address, options=_OPTIONS),
+                                  _BearerToken(layout.secret))
+
+
 class GrpcSwapSpace:
     """A rank's swaps through the store's gRPC service (a `kvstore.swap_space.SwapSpace`)."""
 
-    def __init__(self, layout: StoreLayout, rank: int, kv_cache, address: str):
+    def __init__(self, layout: StoreLayout, rank: int, kv_cache):
         import torch
 
         self._kv_bytes = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
         layout.check([], rank, self._kv_bytes.shape[1])
         self.layout, self.rank = layout, rank
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._channel = store_channel(layout)
         # Chunks travel as wire bytes (encode_chunk / decode_chunk), not protobuf objects.
         self._put = self._channel.stream_unary(f"/{_SERVICE}/PutBlocks", request_serializer=None,
                                                response_deserializer=kvstore_pb2.PutReply.FromString)

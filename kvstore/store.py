@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -31,6 +31,9 @@ class StoreLayout:
     owner_pid: int
     transport: str = "shm"  # how workers reach the pool: "shm" (map the segment) or "grpc"
     grpc_address: str = ""  # host:port of the store's KVStore service, with transport "grpc"
+    # With transport "grpc": the bearer token every call must carry. It reaches the workers
+    # inside Ray (never over the store's socket) and stays out of reprs and logs.
+    secret: str = field(default="", repr=False)
 
     @property
     def header_bytes(self) -> int:
@@ -88,19 +91,6 @@ def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
     return valid, data
 
 
-def _node_ip() -> str:
-    """This node's address for the store's gRPC service: the Ray node IP inside Ray (workers on
-    other nodes must reach it), loopback otherwise."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
-
-
 class KVStore:
     """Owns the segment. Runs as a Ray actor (`KVStoreActor`) beside Ray workers, or in process."""
 
@@ -121,9 +111,12 @@ class KVStore:
 
             from kvstore.grpc_transport import serve
 
-            host = _node_ip()
-            self._server, port = serve(self.layout, self._valid, self._data, host)
-            self.layout = replace(self.layout, transport="grpc", grpc_address=f"{host}:{port}")
+            # Loopback: the store is always placed on its workers' node, so nothing else needs
+            # to reach it; and a per-store secret guards it even from this node's other users.
+            secret = secrets.token_urlsafe(32)
+            self.layout = replace(self.layout, transport="grpc", secret=secret)
+            self._server, port = serve(self.layout, self._valid, self._data, "127.0.0.1")
+            self.layout = replace(self.layout, grpc_address=f"127.0.0.1:{port}")
 
     def get_layout(self) -> StoreLayout:
         return self.layout

@@ -43,5 +43,5 @@ def open_swap_space(layout: StoreLayout, rank: int, kv_cache) -> SwapSpace:
     if layout.transport == "grpc":
         from kvstore.grpc_transport import GrpcSwapSpace
 
-        return GrpcSwapSpace(layout, rank, kv_cache, layout.grpc_address)
+        return GrpcSwapSpace(layout, rank, kv_cache)
     raise ValueError(f"kv_transport must be shm or grpc; got {layout.transport!r}")

@@ -233,11 +233,12 @@ def test_bad_grpc_store_requests_are_refused_and_change_nothing():
     import grpc
     import msgpack
 
+    from kvstore.grpc_transport import store_channel
     from pagedserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
     store = KVStore(num_blocks=4, tp_size=2, block_bytes=64, transport="grpc")
     try:
-        stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(store.layout.grpc_address))
+        stub = kvstore_pb2_grpc.KVStoreStub(store_channel(store.layout))
         data_before, valid_before = store._data.copy(), store._valid.copy()
 
         def put(*chunks):
@@ -273,7 +274,7 @@ def test_store_chunks_are_protobuf_wire_bytes_and_malformed_ones_are_refused():
     import grpc
     import msgpack
 
-    from kvstore.grpc_transport import decode_chunk, encode_chunk
+    from kvstore.grpc_transport import decode_chunk, encode_chunk, store_channel
     from pagedserve.v1 import kvstore_pb2
 
     header, parts = b"h" * 300, [b"a" * 30000, b"b" * 40000]
@@ -291,7 +292,7 @@ def test_store_chunks_are_protobuf_wire_bytes_and_malformed_ones_are_refused():
 
     store = KVStore(num_blocks=2, tp_size=1, block_bytes=64, transport="grpc")
     try:
-        channel = grpc.insecure_channel(store.layout.grpc_address)
+        channel = store_channel(store.layout)
         put = channel.stream_unary("/pagedserve.v1.KVStore/PutBlocks", request_serializer=None,
                                    response_deserializer=kvstore_pb2.PutReply.FromString)
         before = store._data.copy()
@@ -318,5 +319,37 @@ def test_store_chunks_are_protobuf_wire_bytes_and_malformed_ones_are_refused():
             assert b"".join(c.data for c in chunks) == b"q" * 64
             assert bool(store._valid[1, 0]) is valid_after
         channel.close()
+    finally:
+        store.close()
+
+
+def test_the_grpc_store_refuses_callers_without_its_secret():
+    import dataclasses
+
+    import grpc
+    import msgpack
+
+    from kvstore.grpc_transport import store_channel
+    from pagedserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    store = KVStore(num_blocks=2, tp_size=1, block_bytes=64, transport="grpc")
+    try:
+        layout = store.layout
+        assert layout.grpc_address.startswith("127.0.0.1:") and len(layout.secret) >= 32
+        assert layout.secret not in repr(layout)
+        header = msgpack.packb({"rank": 0, "pieces": [[1, 0, 64]]})
+        chunk = kvstore_pb2.BlockChunk(header=header, data=b"x" * 64)
+        get = kvstore_pb2.GetRequest(manifest=msgpack.packb({"blocks": [1], "rank": 0}))
+        wrong = dataclasses.replace(layout, secret="not-the-secret")
+        for channel in (grpc.insecure_channel(layout.grpc_address), store_channel(wrong)):
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            for call in (lambda: stub.PutBlocks(iter([chunk])), lambda: list(stub.GetBlocks(get))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            channel.close()
+        assert not store._valid.any() and not store._data.any()  # nothing written
+        stub = kvstore_pb2_grpc.KVStoreStub(store_channel(layout))
+        assert stub.PutBlocks(iter([chunk])).blocks == 1
     finally:
         store.close()
