@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 
 import ray
 
 from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
+
+log = logging.getLogger("pagedserve.server")
 
 ACTOR_NAME = "pagedserve-coordinator"
 DEFAULT_METRICS_PORT = 9400
@@ -37,6 +40,7 @@ class CoordinatorActor:
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self._async_engine = None  # AsyncEngine, once the model is loaded
         self._state = None  # ServerState
+        self._drain_timeout = 30.0
         self._server = None  # ServingServer
         self._load: asyncio.Task | None = None
         self._closing = False
@@ -61,11 +65,13 @@ class CoordinatorActor:
         if engine_config.distributed_executor_backend == "auto":
             # The server is the disaggregated shape: the engine here, the model in worker actors.
             engine_config = engine_config.replace(distributed_executor_backend="ray")
-        self._state = ServerState(options.api_key)
+        self._state = ServerState(options.api_key, options.request_timeout)
+        self._drain_timeout = options.drain_timeout
         self._server = ServingServer(self._state, options.tls)
         self.port = await self._server.start(options.host, options.port)
         self._info = {"model": engine_config.model, "host": options.host, "port": self.port,
-                      "tls": options.tls is not None, "auth": self._state.auth}
+                      "tls": options.tls is not None, "auth": self._state.auth,
+                      "drain_timeout": options.drain_timeout}
         if options.metrics_port is not None:
             self._start_metrics(engine_config.model, options.metrics_host, options.metrics_port)
         elif options.default_metrics:
@@ -135,15 +141,20 @@ class CoordinatorActor:
         return await self._state.stats()
 
     async def shutdown(self) -> None:
-        """Stop answering (2 s of grace for open streams), stop the engine loop and its workers."""
+        """Drain: refuse new requests (UNAVAILABLE), let those in flight finish for up to
+        drain_timeout, end the rest with UNAVAILABLE; then stop the engine loop and its workers."""
         self._closing = True
+        if self._state is not None:
+            await self._state.stop()
+        if self._async_engine is not None:
+            unfinished = await self._async_engine.drain(self._drain_timeout)
+            if unfinished:
+                log.warning("drain time (%g s) passed; %d requests ended unfinished", self._drain_timeout, unfinished)
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if self._state is not None:
-            await self._state.stop()
         if self._server is not None:
-            await self._server.stop(grace=2)
+            await self._server.stop(grace=2)  # time for the last responses to go out
         if self._async_engine is not None:
             await self._async_engine.stop()
             await asyncio.get_running_loop().run_in_executor(None, self._async_engine.llm_engine.shutdown)

@@ -23,6 +23,10 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class DeadlineExceededError(RuntimeError):
+    """The request's deadline passed: it was aborted and its blocks freed."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed: raised to every request it held, and to every new one."""
 
@@ -45,6 +49,7 @@ class AsyncEngine:
         self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-input")
         self._ids = itertools.count()
         self._num_checking = 0  # requests being tokenized and checked: they count as queued
+        self._abort_reasons: dict[str, str] = {}  # of aborts that are not a client's cancel
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
         self.restarting = False  # the workers are being rebuilt after a fault
@@ -81,6 +86,20 @@ class AsyncEngine:
     def num_queued(self) -> int:
         return self._num_checking + len(self._adds) + len(self.llm_engine.scheduler.waiting)
 
+    async def drain(self, timeout: float) -> int:
+        """Let the requests in flight finish for up to `timeout` seconds (new ones are the front
+        door's to refuse), then end the rest with EngineDeadError (not in flight: UNAVAILABLE).
+        Returns how many were ended unfinished."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._streams and loop.time() < deadline and self.error is None:
+            await asyncio.sleep(0.05)
+        ended = list(self._streams.items())
+        for request_id, queue in ended:
+            queue.put_nowait(EngineDeadError("the server is shutting down and its drain time passed",
+                                             request_id, RuntimeError("drained"), in_flight=False))
+        return len(ended)
+
     async def wait_stopped(self) -> BaseException | None:
         """Wait until the engine loop ends (stop() or a failure); returns the failure, if any."""
         if self._task is not None:
@@ -90,11 +109,14 @@ class AsyncEngine:
         return self.error
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
-                       request_id: str = "", priority: int = 0, messages: list[dict] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str = "", priority: int = 0, messages: list[dict] | None = None,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; `messages` (a chat) instead of a prompt renders the model's
         chat template. ValueError for bad input and QueueFullError come before any output, with
-        nothing queued."""
+        nothing queued. Past `timeout` seconds in any state (queued, prefilling, decoding,
+        swapped) the request is aborted (finish reason "deadline") and DeadlineExceededError
+        raised."""
+        expires = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped after a failure: {self.error!r}", request_id,
                                   self.error, in_flight=False)
@@ -122,7 +144,17 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                if expires is None:
+                    out = await queue.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(queue.get(), expires - asyncio.get_running_loop().time())
+                    except TimeoutError:
+                        self._abort_reasons[request_id] = "deadline"
+                        raise DeadlineExceededError(f"request {request_id!r} passed its deadline "
+                                                    f"({timeout:g} s)") from None
+                if isinstance(out, EngineDeadError):
+                    raise out  # drained: refused as the server stops
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine failed while serving request {request_id!r}: {out!r}",
                                           request_id, out, in_flight=True)
@@ -173,7 +205,7 @@ class AsyncEngine:
                 continue  # cancelled before it ever reached the engine
             engine.add_processed_request(request_id, None, token_ids, params, priority)
         for request_id in aborts:
-            engine.abort_request(request_id)
+            engine.abort_request(request_id, self._abort_reasons.pop(request_id, "abort"))
         engine.refresh_stats()  # once for the lot: no step runs now
 
     async def stats(self) -> dict:

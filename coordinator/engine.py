@@ -146,13 +146,14 @@ class LLMEngine:
         group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority)
         self.output_processor.add_request(group, prompt)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a request in any state; every block of every sample comes back at once."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Abort a request in any state; every block of every sample comes back at once.
+        `reason` is what the finished-requests counter records (abort, deadline)."""
         if request_id not in self.output_processor.requests:
             return None
         stats = IterationStats()
         self.scheduler.abort_request(request_id)
-        out = self.output_processor.abort_request(request_id, stats)
+        out = self.output_processor.abort_request(request_id, stats, reason)
         self.metrics.record(stats)
         return out
 

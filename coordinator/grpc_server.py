@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from coordinator.async_engine import AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError
 from coordinator.sampling_params import SamplingParams
 from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
@@ -30,6 +30,7 @@ GRPC_CODES = {"invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
               "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
               "unavailable": grpc.StatusCode.UNAVAILABLE,
               "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+              "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
               "internal": grpc.StatusCode.INTERNAL}
 
 log = logging.getLogger("pagedserve.server")
@@ -69,10 +70,15 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         try:
             prompt, token_ids, messages = _prompt(request)
             params = sampling_from_proto(request.sampling)
+            # The client's deadline, else the server's default (request_timeout); gRPC also
+            # cancels at the client's, which aborts the request the same way.
+            timeout = context.time_remaining()
+            if timeout is None:
+                timeout = state.request_timeout
             stream = state.engine.generate(prompt, token_ids, params, request.request_id, request.priority,
-                                           messages=messages)
+                                           messages=messages, timeout=timeout)
             first = await anext(stream)
-        except (ValueError, QueueFullError, EngineDeadError) as e:
+        except (ValueError, QueueFullError, EngineDeadError, DeadlineExceededError) as e:
             await self._fail(e, context)
         try:
             out = first
@@ -93,7 +99,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     break
                 try:
                     out = await anext(stream)
-                except EngineDeadError as e:
+                except (EngineDeadError, DeadlineExceededError) as e:
                     await self._fail(e, context)
         finally:
             # A cancelled or expired stream arrives here as CancelledError: closing the stream
@@ -265,11 +271,11 @@ class ServingServer:
 
 
 async def start_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 50051,
-                       api_key: str | None = None, tls: tuple[bytes, bytes] | None = None
-                       ) -> tuple[ServingServer, int]:
+                       api_key: str | None = None, tls: tuple[bytes, bytes] | None = None,
+                       request_timeout: float | None = None) -> tuple[ServingServer, int]:
     """Serve an engine that already runs on host:port (a ServerState of its own); returns the server
     and its port."""
-    server = ServingServer(ServerState(api_key), tls)
+    server = ServingServer(ServerState(api_key, request_timeout), tls)
     bound = await server.start(host, port)
     await server.state.set_engine(engine)
     return server, bound

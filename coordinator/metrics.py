@@ -71,6 +71,7 @@ HISTOGRAMS = {  # name -> (buckets, help)
 }
 
 
+FINISH_REASONS = ("stop", "length", "abort", "deadline")
 # Recent sampled block allocations kept for the p50/p99 in the stats.
 _ALLOC_LATENCY_SAMPLES = 65536
 
@@ -82,7 +83,7 @@ class EngineMetrics:
         self.histograms = {name: Histogram(buckets) for name, (buckets, _) in HISTOGRAMS.items()}
         self.alloc_latency_us = Histogram(ALLOCATION_US_BUCKETS)
         self.recent_alloc_latency_ns: deque[int] = deque(maxlen=_ALLOC_LATENCY_SAMPLES)
-        self.finished: Counter[str] = Counter()  # requests by finish reason: stop, length, abort
+        self.finished: Counter[str] = Counter()  # requests by finish reason (FINISH_REASONS)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.execute_seconds = 0.0
@@ -127,7 +128,7 @@ class EngineMetrics:
             out[f"{name}_sum"] = h.sum
             for q in (50, 90, 99):
                 out[f"{name}_p{q}"] = h.quantile(q / 100)
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             out[f"requests_finished_{reason}"] = self.finished[reason]
         samples = sorted(self.recent_alloc_latency_ns)
         out["alloc_latency_us_p50"] = _nearest_rank(samples, 0.50) / 1000.0

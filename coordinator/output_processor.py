@@ -75,12 +75,12 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs
 
-    def abort_request(self, request_id: str, stats: IterationStats) -> RequestOutput | None:
+    def abort_request(self, request_id: str, stats: IterationStats, reason: str = "abort") -> RequestOutput | None:
         """The request's output as it stands, after the scheduler aborted its sequences."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self._finish(req, "abort", time.monotonic(), stats)
+        self._finish(req, reason, time.monotonic(), stats)
         return req.output()
 
     def _finish(self, req: RequestState, reason: str, now: float, stats: IterationStats) -> None:

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from coordinator.metrics import HISTOGRAMS, Histogram
+from coordinator.metrics import FINISH_REASONS, HISTOGRAMS, Histogram
 
 log = logging.getLogger("pagedserve.metrics")
 
 PREFIX = "pagedserve_"
-FINISH_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthenticated")
 
 

@@ -21,6 +21,8 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # 0 picks a free port; None: see default_metrics
     default_metrics: bool = False  # with metrics_port None: DEFAULT_METRICS_PORT, or a free one if taken
+    request_timeout: float | None = None  # seconds: the deadline of a request that brings none
+    drain_timeout: float = 30.0  # seconds in-flight requests may finish in when the server stops
 
     def __post_init__(self):
         for name in ("host", "metrics_host"):
@@ -42,6 +44,12 @@ class ServerOptions:
             if value is not None and (not isinstance(value, bytes) or not value):
                 raise ValueError(f"{name} must be the PEM file's bytes; got {type(value).__name__} "
                                  f"of length {len(value) if hasattr(value, '__len__') else '?'}")
+        if self.request_timeout is not None and (isinstance(self.request_timeout, bool) or not isinstance(
+                self.request_timeout, (int, float)) or not self.request_timeout > 0):
+            raise ValueError(f"request_timeout must be a number of seconds > 0, or None; got {self.request_timeout!r}")
+        if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
+                or self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be a number of seconds >= 0; got {self.drain_timeout!r}")
         if not isinstance(self.default_metrics, bool):
             raise ValueError(f"default_metrics must be True or False; got {self.default_metrics!r}")
 

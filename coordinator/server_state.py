@@ -23,13 +23,14 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from coordinator.async_engine import AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError
 from workers.executor import WorkerFailedError
 
 STATUSES = ("loading", "serving", "restarting", "failed", "stopping")
 REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthenticated")
-# The status kinds: every refusal reason, and "internal" for a bug (the engine died under a request).
-KINDS = (*REJECT_REASONS, "internal")
+# The status kinds: every refusal reason, a passed deadline, and "internal" for a bug (the engine
+# died under a request).
+KINDS = (*REJECT_REASONS, "deadline_exceeded", "internal")
 
 log = logging.getLogger("pagedserve.server")
 
@@ -48,6 +49,8 @@ def error_kind(error: BaseException) -> str:
         return "internal"
     if isinstance(error, QueueFullError):
         return "queue_full"
+    if isinstance(error, DeadlineExceededError):
+        return "deadline_exceeded"
     if isinstance(error, ValueError):
         return "invalid_argument"
     return "internal"
@@ -57,9 +60,11 @@ class ServerState:
     """loading / serving / failed / stopping with its reason, the engine once loaded, refusal
     counts by reason, and auth (`api_key` None: off)."""
 
-    def __init__(self, api_key: str | None = None):
+    def __init__(self, api_key: str | None = None, request_timeout: float | None = None):
+        """`request_timeout`: the deadline (seconds) of a request that brings none of its own."""
         if api_key is not None and not api_key:
             raise ValueError("the API key must not be empty (None turns auth off)")
+        self.request_timeout = request_timeout
         self.status = "loading"
         self.reason = "the model is still loading"  # why requests are refused; "" while serving
         self.engine: AsyncEngine | None = None
@@ -155,7 +160,7 @@ class ServerState:
         if isinstance(error, EngineDeadError) and error.in_flight:
             log.error("request %s failed: the engine loop raised %r", error.request_id, error.cause)
             await self.engine_died(error.cause)
-        elif kind != "internal":
+        elif kind in REJECT_REASONS:  # a passed deadline is counted as a finished request instead
             self.rejected[kind] += 1
         else:
             log.error("a request failed: %r", error)

@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "where it serves and exit, leaving it running; end it with `pagedserve stop`")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="requests waiting beyond this are refused with RESOURCE_EXHAUSTED (default: %(default)s)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on Ctrl-C / SIGTERM / `pagedserve stop`: seconds in-flight requests may finish "
+                            "in (new ones get UNAVAILABLE); the rest end with UNAVAILABLE (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds: the deadline of a request that brings none of its own; past it the "
+                            "request is aborted, its blocks freed, and the client told DEADLINE_EXCEEDED "
+                            "(default: none)")
     serve.add_argument("--api-key", default=None,
                        help=f"require 'authorization: Bearer <key>' on Serving calls (default: ${API_KEY_ENV} "
                             "if set, else no auth); health and reflection stay open")

@@ -99,10 +99,12 @@ def _cause(e: BaseException) -> str:
 
 
 def _end_actor(actor) -> None:
+    """Drain and stop the server (its own drain_timeout bounds the drain), then kill the actor."""
     import ray
 
     try:
-        ray.get(actor.shutdown.remote(), timeout=30)
+        drain = ray.get(actor.status.remote(), timeout=30).get("drain_timeout", 30.0)
+        ray.get(actor.shutdown.remote(), timeout=drain + 30)
     except Exception as e:  # already dead, or stuck: kill it anyway
         _err(f"the server did not shut down cleanly ({type(e).__name__}); killing it")
     ray.kill(actor)
@@ -115,7 +117,8 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
     metrics_port = None if args.no_metrics else args.metrics_port
     return ServerOptions(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                          api_key=api_key, tls_cert=cert, tls_key=key, metrics_host=args.metrics_host,
-                         metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics)
+                         metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics,
+                         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:

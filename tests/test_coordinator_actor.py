@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import ray
 
 import pagedserve
@@ -48,3 +51,30 @@ def test_coordinator_binds_first_and_stays_not_serving_when_the_model_fails_to_l
     finally:
         ray.get(actor.shutdown.remote(), timeout=30)
         ray.kill(actor)
+
+
+def test_shutdown_drains_in_flight_requests_and_ends_the_rest_unavailable(ray_session, tiny_llama):
+    import grpc
+
+    from tests.serving import running_coordinator
+
+    config = EngineConfig(model=tiny_llama, distributed_executor_backend="ray", kv_cache_memory=1 << 22)
+    with running_coordinator(config, drain_timeout=1.5) as (actor, target):
+        with pagedserve.Client(target, timeout=60) as client:
+            short = client.stream([5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
+            long = client.stream([5, 6, 8], max_tokens=1000, temperature=0.0, ignore_eos=True)
+            next(short), next(long)  # both in flight
+            stopping = actor.shutdown.remote()
+            deadline = time.monotonic() + 10
+            while client.health() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(pagedserve.ServingError) as refused:
+                client.generate([1, 2, 3], max_tokens=2)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE  # no new requests
+            assert sum(len(c.token_ids) for c in short) + 1 == 8  # finished within the drain
+            with pytest.raises(pagedserve.ServingError) as ended:
+                for _ in long:
+                    pass
+            assert ended.value.code == grpc.StatusCode.UNAVAILABLE and "drain" in ended.value.details
+            ray.get(stopping, timeout=60)
+    assert ServerOptions(drain_timeout=0).drain_timeout == 0

@@ -19,7 +19,7 @@ from pagedserve.v1 import serving_pb2_grpc
 
 
 class _Server:
-    def __init__(self, llm: LLM, max_queued_requests: int = 1024):
+    def __init__(self, llm: LLM, max_queued_requests: int = 1024, request_timeout: float | None = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -27,7 +27,7 @@ class _Server:
         async def boot():
             self.engine = AsyncEngine(llm.engine, max_queued_requests)
             self.engine.start()
-            self.server, self.port = await start_server(self.engine, port=0)
+            self.server, self.port = await start_server(self.engine, port=0, request_timeout=request_timeout)
 
         asyncio.run_coroutine_threadsafe(boot(), self.loop).result(timeout=30)
 
@@ -139,6 +139,26 @@ def test_cancelled_stream_and_expired_deadline_free_their_blocks(stub):
         _collect(stub, long, timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _wait_for_no_used_blocks(stub) == 0
+
+
+def test_the_servers_default_deadline_ends_a_request_that_brings_none(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory=1 << 22) as own:  # its own engine: one server per engine
+        timed = _Server(own, request_timeout=0.5)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{timed.port}") as channel:
+                stub = serving_pb2_grpc.ServingStub(channel)
+                long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(100, 400))),
+                                          sampling=pb.SamplingParams(max_tokens=600, ignore_eos=True))
+                with pytest.raises(grpc.RpcError) as err:
+                    _collect(stub, long, timeout=None)  # no deadline of its own
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in err.value.details()
+                assert _wait_for_no_used_blocks(stub) == 0
+                assert stub.GetStats(pb.GetStatsRequest()).stats["requests_finished_deadline"] == 1
+                short = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                           sampling=pb.SamplingParams(max_tokens=2))
+                assert len(_collect(stub, short, timeout=None)[0]) == 2  # within the deadline: served
+        finally:
+            timed.close()
 
 
 def test_health_is_serving_and_stats_have_the_engine_fields(server, stub):
