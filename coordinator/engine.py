@@ -183,32 +183,43 @@ class LLMEngine:
         """Replace the failed worker group and resume every request, or re-raise `error` when
         there is no factory or the restart budget is spent."""
         detected = time.perf_counter()
-        now = time.monotonic()
-        window = self.config.restart_window
-        self._restart_times = [t for t in self._restart_times if now - t < window]
-        if self._executor_factory is None or len(self._restart_times) >= self.config.max_worker_restarts:
-            log.error("the worker group failed (%s) and no restart is left (%d within %g s): %s",
-                      error.cause, len(self._restart_times), window, error)
-            raise error
-        self._restart_times.append(now)
-        log.error("the worker group failed (%s): %s; rebuilding it", error.cause, error)
+        self._spend_restart(error)
+        stats.worker_restarts.append(error.cause)
         for listener in self.recovery_listeners:
             listener(True)
         try:
             self.executor.shutdown()
-            self.executor = self.core.executor = self._new_executor()
+            while True:
+                try:
+                    self.executor = self.core.executor = self._new_executor()
+                    break
+                except WorkerFailedError as again:  # the new group lost a worker while it started
+                    self._spend_restart(again)
+                    stats.worker_restarts.append(again.cause)
         finally:
             for listener in self.recovery_listeners:
                 listener(False)
         moved = self.scheduler.reset_after_worker_loss()
         if self.kv_store is not None:  # what the failed step wrote into it cannot be trusted
             self._restart_kv_store("the worker group was rebuilt")
-        resumed = sum(1 for group in self.scheduler.groups.values())
-        stats.worker_restarts.append(error.cause)
+        resumed = len(self.scheduler.groups)
         stats.requests_resumed += resumed
         stats.recovery_seconds.append(time.perf_counter() - detected)
         log.warning("worker group rebuilt in %.2f s; %d requests (%d running sequences) resume",
                     stats.recovery_seconds[-1], resumed, moved)
+
+    def _spend_restart(self, error: WorkerFailedError) -> None:
+        """Count one rebuild against max_worker_restarts within restart_window, or re-raise
+        `error` when none is left (or there is no factory to rebuild with)."""
+        now = time.monotonic()
+        window = self.config.restart_window
+        self._restart_times = [t for t in self._restart_times if now - t < window]
+        if self._executor_factory is None or len(self._restart_times) >= self.config.max_worker_restarts:
+            log.error("the worker group failed (%s) and no restart is left (%d within %g s): %s",
+                      error.cause, len(self._restart_times), window, _first_line(error))
+            raise error
+        self._restart_times.append(now)
+        log.error("the worker group failed (%s): %s; rebuilding it", error.cause, _first_line(error))
 
     def _new_executor(self) -> Executor:
         num_blocks = self.scheduler.kv.num_blocks
@@ -237,6 +248,12 @@ class LLMEngine:
         if self.kv_store is not None:
             self.kv_store.close()
             self.kv_store = None
+
+
+def _first_line(error: BaseException) -> str:
+    """Ray's errors run to paragraphs; a log line needs their first line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _check_model(config: EngineConfig, model: ModelInfo) -> None:

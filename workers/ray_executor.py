@@ -103,6 +103,9 @@ class RayExecutor(Executor):
             config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
             ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, config_ref)
                      for rank, w in enumerate(self.workers)])
+        except ray.exceptions.RayActorError as e:  # a new worker died while it started
+            self.shutdown()
+            raise WorkerFailedError(f"a worker died while the group started: {e}", cause="death") from e
         except BaseException:
             self.shutdown()
             raise
