@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 
 import offline_throughput as workload  # noqa: E402  (the same workload and stopwatch)
+import serving_throughput as serving  # noqa: E402  (the same server flags)
 import pagedserve  # noqa: E402
 from pagedserve.bench.embedded import EmbeddedServer  # noqa: E402
 
@@ -157,10 +158,7 @@ def main(argv=None) -> None:
     tokenizer, _ = workload.load_tokenizer_and_config()
     requests = workload.make_workload(tokenizer, args)
     prompt, generated = workload.useful_tokens(requests)
-    flags = dict(model=workload.MODEL, dtype=args.dtype, block_size=args.block_size,
-                 kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
-                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 max_worker_restarts=args.max_worker_restarts)
+    flags = {**serving.engine_flags(args), "max_worker_restarts": args.max_worker_restarts}
     server = EmbeddedServer(flags)
     try:
         startup_s = server.wait_healthy(args.server_start_timeout)

@@ -52,7 +52,6 @@ class AsyncEngine:
         self._abort_reasons: dict[str, str] = {}  # of aborts that are not a client's cancel
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
-        self.restarting = False  # the workers are being rebuilt after a fault
         self._restart_listeners: list = []
 
     def start(self) -> None:
@@ -66,7 +65,6 @@ class AsyncEngine:
         self._restart_listeners.append(listener)
 
     def _set_restarting(self, restarting: bool) -> None:
-        self.restarting = restarting
         for listener in self._restart_listeners:
             asyncio.get_running_loop().create_task(listener(restarting))
 

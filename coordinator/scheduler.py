@@ -363,10 +363,7 @@ class Scheduler:
         seqs = [seq for group in groups for seq in group]
         for seq in reversed(seqs):
             self.kv.free_cpu(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            self._waiting_since[seq.seq_id] = self.num_steps
-            self.waiting.appendleft(seq)
+            self._requeue_at_front(seq)
         return len(seqs)
 
     def reset_after_worker_loss(self) -> int:
@@ -377,11 +374,8 @@ class Scheduler:
         running, self.running = self.running, []
         self.kv.reset_device_pool()
         for seq in reversed(running):
-            seq.block_table = []
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            self._waiting_since[seq.seq_id] = self.num_steps
-            self.waiting.appendleft(seq)
+            seq.block_table = []  # its blocks went with the pool
+            self._requeue_at_front(seq)
         for group in self.groups.values():
             group.pending_beam_logprobs.clear()  # every beam samples its position again
         return len(running)
@@ -393,9 +387,15 @@ class Scheduler:
 
     def _recompute(self, seq: Sequence) -> None:
         self.kv.free(seq)
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue_at_front(seq)
+
+    def _requeue_at_front(self, seq: Sequence) -> None:
+        """Back to the head of waiting with its tokens kept: on readmission it recomputes (or
+        re-finds in the prefix cache) its whole context. Its blocks are the caller's to free."""
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
         self._waiting_since[seq.seq_id] = self.num_steps
         self.waiting.appendleft(seq)
 
