@@ -5,14 +5,16 @@ EOS ignored), sent twice to one `pagedserve serve` (started as a user starts it)
 `AsyncClient` keeping `--concurrency` streams open:
 
 - **fault-free**: nothing is killed;
-- **chaos**: every `--kill-every` seconds a random worker actor process (`ray::WorkerActor`,
-  found with psutil) is SIGKILLed while streams are in flight.
+- **chaos**: every `--kill-every` seconds the process of a random rank of the serving worker
+  group (the coordinator's `worker_pids`, asked through the server's Ray cluster; not its idle
+  spares) is SIGKILLed while streams are in flight.
 
 It reports requests completed / sent, greedy outputs identical to the fault-free run, tokens lost
 or duplicated (each stream's tokens against its fault-free tokens: a missing tail is lost, an
-extra one duplicated), the server's restarts and recovery time (fault detected to a rebuilt
-worker group: p50 and max over the run's restarts), the longest gap between two tokens of one
-stream, and throughput against the fault-free run.
+extra one duplicated), per kill the detection time (kill to health NOT_SERVING) and the recovery
+time (kill to health SERVING again, as a client sees it; p50 and max), the server's own recovery
+histogram (fault detected to a rebuilt group), the longest gap between two tokens of one stream,
+and throughput against the fault-free run.
 
     .venv/bin/python benchmarks/chaos.py                                  # 64 requests, a kill every 15 s
     .venv/bin/python benchmarks/chaos.py --num-requests 16 --output-len-max 32 --kill-every 5
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import signal
 import sys
 import time
@@ -33,7 +36,6 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import psutil  # noqa: E402
 
 import offline_throughput as workload  # noqa: E402  (the same workload and stopwatch)
 import serving_throughput as serving  # noqa: E402  (the same server flags)
@@ -53,16 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return workload.check_workload_args(p, p.parse_args(argv))
 
 
-def worker_processes(server_pid: int) -> list[psutil.Process]:
-    """The server's worker actors: processes titled ray::WorkerActor under its session."""
-    found = []
-    for proc in psutil.Process(server_pid).children(recursive=True):
-        try:
-            if "WorkerActor" in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:
-            pass
-    return found
+def serving_worker_pids() -> list[int]:
+    """The ranks of the server's worker group, from its coordinator actor (spares excluded)."""
+    import ray
+
+    from coordinator.actor import ACTOR_NAME, NAMESPACE
+
+    if not ray.is_initialized():  # the server's own local cluster, as `pagedserve status` finds it
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    return ray.get(ray.get_actor(ACTOR_NAME).worker_pids.remote(), timeout=30)
 
 
 async def stream_one(client, request, gaps: list[float]) -> list[int]:
@@ -97,10 +98,10 @@ async def send_all(target: str, requests, concurrency: int) -> tuple[list, list[
         await client.close()
 
 
-async def kill_workers(target: str, server_pid: int, every: float, stop: asyncio.Event, kills: list[float],
-                       rng) -> None:
-    """Every `every` seconds of serving, SIGKILL a random worker: the clock restarts once the
-    server is SERVING again, so each fault meets a running group, not one still starting."""
+async def kill_workers(target: str, every: float, stop: asyncio.Event, faults: list[dict], rng) -> None:
+    """Every `every` seconds of serving, SIGKILL a random rank and time, by polling health, the
+    detection (NOT_SERVING) and the recovery (SERVING again); the next kill waits `every` from
+    there, so each fault meets a running group."""
     with pagedserve.Client(target, timeout=5) as client:
         while not stop.is_set():
             try:
@@ -108,32 +109,37 @@ async def kill_workers(target: str, server_pid: int, every: float, stop: asyncio
                 return
             except TimeoutError:
                 pass
-            while not stop.is_set() and not await asyncio.to_thread(client.health):
-                await asyncio.sleep(0.2)
-            await kill_one(server_pid, kills, rng)
+            pid = rng.choice(await asyncio.to_thread(serving_worker_pids))
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            fault = {"detected_s": None, "recovered_s": None}
+            faults.append(fault)
+            while time.monotonic() - killed < 120:
+                serving = await asyncio.to_thread(client.health)
+                now = time.monotonic() - killed
+                if not serving and fault["detected_s"] is None:
+                    fault["detected_s"] = now
+                if serving and fault["detected_s"] is not None:
+                    fault["recovered_s"] = now
+                    break
+                if serving and now > 10:  # never seen down: the engine was idle, nothing to detect
+                    break
+                await asyncio.sleep(0.02)
 
 
-async def kill_one(server_pid: int, kills: list[float], rng) -> None:
-    victims = worker_processes(server_pid)
-    if victims:
-        victim = rng.choice(victims)
-        try:
-            os.kill(victim.pid, signal.SIGKILL)
-            kills.append(time.monotonic())
-        except ProcessLookupError:
-            pass
-
-
-async def chaos_run(target: str, server_pid: int, requests, args) -> tuple[list, list[float], int]:
-    stop, kills = asyncio.Event(), []
-    killer = asyncio.create_task(kill_workers(target, server_pid, args.kill_every, stop, kills,
-                                              random.Random(args.seed)))
+async def chaos_run(target: str, requests, args) -> tuple[list, list[float], list[dict]]:
+    stop, faults = asyncio.Event(), []
+    killer = asyncio.create_task(kill_workers(target, args.kill_every, stop, faults, random.Random(args.seed)))
     try:
         outputs, gaps = await send_all(target, requests, args.concurrency)
     finally:
         stop.set()
         await killer
-    return outputs, gaps, len(kills)
+    return outputs, gaps, faults
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def compare(expected: list[list[int]], got: list) -> dict:
@@ -169,7 +175,7 @@ def main(argv=None) -> None:
         with pagedserve.Client(server.target, timeout=30) as client:
             before = client.stats()
         with workload.Stopwatch() as chaos_watch:
-            stormy, gaps, kills = loop.run_until_complete(chaos_run(server.target, server.process.pid, requests, args))
+            stormy, gaps, faults = loop.run_until_complete(chaos_run(server.target, requests, args))
         loop.close()
         with pagedserve.Client(server.target, timeout=60) as client:
             deadline = time.monotonic() + 60
@@ -178,11 +184,16 @@ def main(argv=None) -> None:
             stats = client.stats()
     finally:
         server.stop()
+    kills = len(faults)
+    detected = [f["detected_s"] for f in faults if f["detected_s"] is not None]
+    recovered = [f["recovered_s"] for f in faults if f["recovered_s"] is not None]
     restarts = int(stats["worker_restarts"] - before["worker_restarts"])
     recovery = float(stats["recovery_seconds_sum"] - before["recovery_seconds_sum"])
     result = {
         "args": vars(args), "requests": len(requests), "prompt_tokens": prompt, "generated_tokens": generated,
-        "server_startup_s": startup_s, "kills": kills, "worker_restarts": restarts,
+        "server_startup_s": startup_s, "kills": kills, "worker_restarts": restarts, "faults": faults,
+        "detection_seconds_p50": _p50(detected), "detection_seconds_max": max(detected, default=0.0),
+        "recovery_seen_seconds_p50": _p50(recovered), "recovery_seen_seconds_max": max(recovered, default=0.0),
         "recovery_seconds_mean": recovery / restarts if restarts else 0.0,
         "recovery_seconds_p50": stats["recovery_seconds_p50"], "recovery_seconds_p99": stats["recovery_seconds_p99"],
         "fault_free_seconds": calm_watch.seconds, "chaos_seconds": chaos_watch.seconds,
@@ -195,8 +206,10 @@ def main(argv=None) -> None:
           f"a worker killed every {args.kill_every:g} s")
     print(f"  completed {result['completed']} / {len(requests)}; identical to fault-free {result['identical']}; "
           f"tokens lost {result['tokens_lost']}, duplicated {result['tokens_duplicated']}")
-    print(f"  kills {kills}, restarts {restarts}; recovery mean {result['recovery_seconds_mean']:.2f} s "
-          f"(histogram p50 {result['recovery_seconds_p50']:.2f} s, p99 {result['recovery_seconds_p99']:.2f} s)")
+    print(f"  kills {kills}, restarts {restarts}; kill to NOT_SERVING p50 {result['detection_seconds_p50']:.2f} s "
+          f"(max {result['detection_seconds_max']:.2f}); kill to SERVING again p50 "
+          f"{result['recovery_seen_seconds_p50']:.2f} s (max {result['recovery_seen_seconds_max']:.2f}); "
+          f"server's rebuild mean {result['recovery_seconds_mean']:.2f} s")
     print(f"  fault-free {calm_watch.seconds:.1f} s, chaos {chaos_watch.seconds:.1f} s: throughput "
           f"{100 * result['throughput_vs_fault_free']:.0f}% of fault-free; longest token gap "
           f"{result['longest_gap_fault_free_s']:.2f} s fault-free, {result['longest_gap_chaos_s']:.2f} s chaos")

@@ -1,7 +1,9 @@
-"""The coordinator as a Ray actor: it owns the engine (scheduler, block allocator) and serves gRPC.
+"""The coordinator as a Ray actor: it owns the engine (scheduler, block allocator) and serves gRPC
+and the OpenAI-compatible HTTP API.
 
-One async actor: the gRPC server and the engine loop share its event loop, and engine steps run
-in a worker thread (see AsyncEngine), so the actor stays responsive while the model computes.
+One async actor: the gRPC server, the HTTP server (uvicorn) and the engine loop share its event
+loop, and engine steps run in a worker thread (see AsyncEngine), so the actor stays responsive
+while the model computes.
 
 `start(config, ServerOptions(...))` binds the gRPC server first and loads the model in a thread:
 until the model is loaded health says NOT_SERVING and Generate answers UNAVAILABLE. The front
@@ -10,15 +12,21 @@ shared by the transports and read by the Prometheus collector. `start(wait=True)
 returns once it serves; `start(wait=False)` returns the port at once and `wait_ready()` waits.
 
 `pagedserve serve` creates it as a named actor (ACTOR_NAME in NAMESPACE) so that
-`pagedserve stop` can find it.
+`pagedserve stop` can find it, with its config and options as constructor arguments, and calls
+`launch()`. Detached, Ray restarts it when its process dies (with the same arguments): the new
+process serves again by itself (`resume()`) on the ports the first one bound, with a fresh
+engine. The dead process's worker actors and KV store were owned by it, so Ray ended them with
+it; their requests are lost (their clients saw the connection drop: UNAVAILABLE).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
+import warnings
 
 import ray
 
@@ -34,7 +42,9 @@ NAMESPACE = "pagedserve"
 
 @ray.remote(num_cpus=0)
 class CoordinatorActor:
-    def __init__(self):
+    def __init__(self, config: dict | None = None, options: ServerOptions | None = None):
+        """`config` (EngineConfig fields) and `options`: what `launch()` serves, and what a
+        restart of this actor serves again (see `resume`). Without them, call `start()`."""
         # The engine's ray.get calls (worker actors) run in threads, never on this actor's event
         # loop; Ray's warning about blocking gets in async actors would only mislead.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
@@ -45,8 +55,69 @@ class CoordinatorActor:
         self._load: asyncio.Task | None = None
         self._closing = False
         self._metrics = None  # MetricsServer
+        self._http = None  # HttpServer: the OpenAI-compatible API
+        self._registry = None  # the Prometheus registry both /metrics endpoints serve
         self.port = 0
         self._info: dict = {}
+        self._launch_args = (config, options)
+        self._resuming: asyncio.Task | None = None
+        if config is not None and _restarted():
+            # A constructor cannot await, but Ray runs an async actor's constructor on the actor's
+            # event loop: the task starts once the constructor has returned. (A call to itself
+            # through its own handle, made here, was measured never to run after a restart.)
+            self._resuming = asyncio.get_running_loop().create_task(self.resume())
+            self._resuming.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is None
+                or log.error("the restarted coordinator failed to serve again: %r", t.exception()))
+
+    async def launch(self, wait: bool = True) -> int:
+        """`start()` with the constructor's config and options, remembering the bound ports (in
+        Ray's GCS, which outlives this process) so that a restart binds the same ones."""
+        config, options = self._launch_args
+        if config is None:
+            raise RuntimeError("this coordinator was created without a config: call start()")
+        port = await self.start(config, options, wait=False)
+        _remember_ports(_ports_key(), {"port": port, "metrics_port": self._info.get("metrics_port"),
+                                       "http_port": self._info.get("http_port")})
+        if wait:
+            await self.wait_ready()
+        return port
+
+    async def resume(self) -> None:
+        """Serve again after Ray restarted this actor: a fresh engine (new workers, a new KV
+        store) behind the gRPC, metrics and HTTP ports that `launch()` bound in the first process."""
+        config, launched = self._launch_args
+        if self._closing or self._server is not None or config is None:
+            return  # stopped (or started) before this ran
+        launched = launched if launched is not None else ServerOptions()
+        ports = _recall_ports(_ports_key()) or {}
+        model = config.get("model", "")
+        # start() binds only gRPC here; metrics and HTTP follow, each on its old port or, if that
+        # was taken meanwhile, any free one (status says which): they must not keep gRPC down.
+        options = dataclasses.replace(launched, port=ports.get("port", launched.port), metrics_port=None,
+                                      default_metrics=False, http=False)
+        log.warning("the coordinator's process died and Ray restarted it; serving %s again on port %d "
+                    "(requests in flight in the dead process are lost)", model, options.port)
+        try:
+            await self.start(config, options, wait=False)
+        except OSError as e:  # the port is taken meanwhile: say so where `status` shows it
+            if self._state is not None:
+                await self._state.set_failed(f"the restarted coordinator cannot serve again: {e}")
+            raise
+        if ports.get("metrics_port") is not None:
+            try:
+                self._start_metrics(model, options.metrics_host, ports["metrics_port"])
+            except OSError:
+                self._start_metrics(model, options.metrics_host, 0)
+        if launched.http:
+            try:
+                await self._start_http(model, dataclasses.replace(launched, http_port=ports.get("http_port")))
+            except OSError:
+                await self._start_http(model, dataclasses.replace(launched, http_port=0))
+
+    async def pid(self) -> int:
+        """This actor's process id (for operators and fault tests)."""
+        return os.getpid()
 
     async def start(self, config: dict, options: ServerOptions | None = None, wait: bool = True) -> int:
         """Bind the gRPC server and the Prometheus endpoint (see ServerOptions), then load the
@@ -79,6 +150,8 @@ class CoordinatorActor:
                 self._start_metrics(engine_config.model, options.metrics_host, DEFAULT_METRICS_PORT)
             except OSError:  # another server on this machine has it: any free port (status says which)
                 self._start_metrics(engine_config.model, options.metrics_host, 0)
+        if options.http:
+            await self._start_http(engine_config.model, options)
         self._load = asyncio.get_running_loop().create_task(
             self._load_engine(engine_config, options.max_queued_requests))
         self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
@@ -86,15 +159,36 @@ class CoordinatorActor:
             await self.wait_ready()
         return self.port
 
-    def _start_metrics(self, model: str, host: str, port: int) -> None:
-        from coordinator.prometheus import MetricsServer, PagedserveCollector
+    def _metrics_registry(self, model: str):
+        from coordinator.prometheus import PagedserveCollector, make_registry
 
-        state = self._state  # read from the metrics thread: see ServerState on what is safe there
-        collector = PagedserveCollector(
-            model, lambda: state.engine.llm_engine if state.engine is not None else None,
-            lambda: dict(state.rejected))
-        self._metrics = MetricsServer(collector, host, port)
+        if self._registry is None:
+            state = self._state  # read from the metrics thread: see ServerState on what is safe there
+            self._registry = make_registry(PagedserveCollector(
+                model, lambda: state.engine.llm_engine if state.engine is not None else None,
+                lambda: dict(state.rejected)))
+        return self._registry
+
+    def _start_metrics(self, model: str, host: str, port: int) -> None:
+        from coordinator.prometheus import MetricsServer
+
+        self._metrics = MetricsServer(self._metrics_registry(model), host, port)
         self._info["metrics_port"] = self._metrics.port
+
+    async def _start_http(self, model: str, options: ServerOptions) -> None:
+        """The OpenAI-compatible API on the same event loop as gRPC (same state, auth, TLS)."""
+        from coordinator.http_server import HttpServer
+        from coordinator.server_options import DEFAULT_HTTP_PORT
+
+        self._http = HttpServer(self._state, model, self._metrics_registry(model), options.tls)
+        if options.http_port is not None:
+            port = await self._http.start(options.http_host, options.http_port)
+        else:
+            try:
+                port = await self._http.start(options.http_host, DEFAULT_HTTP_PORT)
+            except OSError:  # another server on this machine has it: any free port (status says which)
+                port = await self._http.start(options.http_host, 0)
+        self._info.update(http_host=options.http_host, http_port=port)
 
     async def _load_engine(self, config: EngineConfig, max_queued_requests: int) -> None:
         from coordinator.async_engine import AsyncEngine
@@ -122,8 +216,9 @@ class CoordinatorActor:
         return await self.status()
 
     async def status(self) -> dict:
-        """model, host, port, tls, auth, and state: loading, serving, failed or stopping (with
-        the reason when not serving)."""
+        """model, host, port, tls, auth, http_host and http_port (with HTTP on), metrics_port (with
+        metrics on), and state: loading, serving, failed or stopping (with the reason when not
+        serving)."""
         if self._state is None:
             return {"state": "new"}
         return {**self._info, "state": self._state.status, "reason": self._state.reason}
@@ -144,6 +239,7 @@ class CoordinatorActor:
         """Drain: refuse new requests (UNAVAILABLE), let those in flight finish for up to
         drain_timeout, end the rest with UNAVAILABLE; then stop the engine loop and its workers."""
         self._closing = True
+        _forget_ports(_ports_key())
         if self._state is not None:
             await self._state.stop()
         if self._async_engine is not None:
@@ -153,6 +249,8 @@ class CoordinatorActor:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._http is not None:
+            await self._http.stop(grace=2)
         if self._server is not None:
             await self._server.stop(grace=2)  # time for the last responses to go out
         if self._async_engine is not None:
@@ -163,3 +261,38 @@ class CoordinatorActor:
 
 def config_dict(config: EngineConfig) -> dict:
     return dataclasses.asdict(config)
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (its previous process died)."""
+    with warnings.catch_warnings():  # Ray's property reads a deprecated one of its own
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+# The ports a launched coordinator bound, kept in Ray's internal KV store (the GCS: it outlives
+# the actor's process) under the actor's id, which a restarted actor keeps.
+def _ports_key() -> str:
+    return f"coordinator-ports-{ray.get_runtime_context().get_actor_id()}"
+
+
+def _remember_ports(key: str, ports: dict) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, json.dumps(ports), overwrite=True, namespace=NAMESPACE)
+
+
+def _recall_ports(key: str) -> dict | None:
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+    return json.loads(value) if value else None
+
+
+def _forget_ports(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    try:
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+    except Exception:  # a shutdown goes on whatever the GCS says
+        pass

@@ -27,6 +27,10 @@ class DeadlineExceededError(RuntimeError):
     """The request's deadline passed: it was aborted and its blocks freed."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with an error (a poison request); the others go on."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed: raised to every request it held, and to every new one."""
 
@@ -108,12 +112,13 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                        request_id: str = "", priority: int = 0, messages: list[dict] | None = None,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None,
+                       chat_options: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; `messages` (a chat) instead of a prompt renders the model's
-        chat template. ValueError for bad input and QueueFullError come before any output, with
-        nothing queued. Past `timeout` seconds in any state (queued, prefilling, decoding,
-        swapped) the request is aborted (finish reason "deadline") and DeadlineExceededError
-        raised."""
+        chat template (`chat_options`: InputProcessor.chat_prompt_ids' keyword arguments).
+        ValueError for bad input and QueueFullError come before any output, with nothing queued.
+        Past `timeout` seconds in any state (queued, prefilling, decoding, swapped) the request is
+        aborted (finish reason "deadline") and DeadlineExceededError raised."""
         expires = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped after a failure: {self.error!r}", request_id,
@@ -127,7 +132,7 @@ class AsyncEngine:
         try:
             token_ids = await asyncio.get_running_loop().run_in_executor(
                 self._input_thread, self.llm_engine.input_processor.process, prompt, prompt_token_ids, params,
-                priority, messages)
+                priority, messages, chat_options)
         finally:
             self._num_checking -= 1
         if self.error is not None or (self._task is not None and self._task.done()):
@@ -156,8 +161,10 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine failed while serving request {request_id!r}: {out!r}",
                                           request_id, out, in_flight=True)
-                out.prompt = prompt
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
+                out.prompt = prompt
                 yield out
         finally:
             if not finished:  # cancelled, deadline, or the consumer stopped reading

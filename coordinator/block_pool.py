@@ -116,6 +116,15 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
 
+    def forget(self, block: int) -> None:
+        """The block's content no longer matches its hash (a write that never completed): drop
+        the hash so that no lookup finds it."""
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            if self.cached.get(block_hash) == block:
+                del self.cached[block_hash]
+            self.block_hash[block] = None
+
     @property
     def num_cached(self) -> int:
         return len(self.cached)

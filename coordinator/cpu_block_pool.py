@@ -11,6 +11,8 @@ blocks) then swap-ins (reads from CPU blocks). A CPU block read in a step must t
 handed to a writer in the same step, or the write would land before the read. So a block read by
 a step (a swapped group coming back, a prefix-tier hit) or written by it (a tier save, until its
 data is there) holds a reference until the step has executed (`end_step`).
+
+A block whose data failed its checksum when read back leaves the tier (`KVCacheManager.drop_corrupt`).
 """
 
 from __future__ import annotations

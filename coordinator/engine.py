@@ -12,8 +12,12 @@ the KV pool's size, the KV store (started, watched, restarted), and the parts' w
 Worker faults: a step that raises `WorkerFailedError` (a worker died, hung past step_timeout, or
 broke its collective group) is recovered when an `executor_factory` was given: the group is
 replaced, the device pool starts empty, and every unfinished request recomputes from the tokens
-the coordinator holds, so its stream goes on with nothing repeated or missing. More than
-max_worker_restarts within restart_window re-raises: the engine fails for good.
+the coordinator holds, so its stream goes on with nothing repeated or missing. The KV store
+outlives the group: swapped groups swap back in and the CPU prefix tier stays (less what the
+failed step was writing). More than max_worker_restarts within restart_window re-raises: the
+engine fails for good. A poison request, in the batch of two consecutive faulted steps, is ended
+with an error (finish reason "poison") so that the others resume; after a fault the suspects are
+admitted one request per step, so that a second fault names one of them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from coordinator.metrics import EngineMetrics
 from coordinator.output_processor import OutputProcessor
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import POISON_FAULTS, Scheduler
 from coordinator.sequence import SequenceStatus
 from coordinator.stats import IterationStats, SchedulerStats, engine_stats, scheduler_stats
 from kvstore.store import StoreHandle
@@ -43,9 +47,10 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, model: ModelInfo, tokenizer,
-                 model_name: str = "", executor_factory: Callable[[], Executor] | None = None):
+                 model_name: str = "", executor_factory: Callable[[Executor | None], Executor] | None = None):
         """On a refused configuration the executor is shut down: no worker outlives it.
-        `executor_factory` builds a replacement group after a worker fault (None: no recovery)."""
+        `executor_factory(previous)` builds a replacement group after a worker fault, shutting the
+        failed one (`previous`) down first and taking over what it can (None: no recovery)."""
         self.config = config
         self._executor_factory = executor_factory
         self._restart_times: list[float] = []  # of worker-group rebuilds, within restart_window
@@ -90,8 +95,8 @@ class LLMEngine:
         hf_config = load_hf_config(source)
         model = ModelInfo.from_hf_config(hf_config)
         _check_model(config, model)  # before any worker starts
-        def build_executor() -> Executor:
-            return create_executor(config, source, config.max_model_len or model.max_context, hf_config)
+        def build_executor(previous: Executor | None = None) -> Executor:
+            return create_executor(config, source, config.max_model_len or model.max_context, hf_config, previous)
 
         return cls(config, build_executor(), model, tokenizer, source.name, executor_factory=build_executor)
 
@@ -169,44 +174,61 @@ class LLMEngine:
         try:
             updates = self.core.step(stats)
         except WorkerFailedError as error:
-            self._recover(error, stats)
+            poisoned = self._recover(error, stats)
             updates = []
+        else:
+            poisoned = []
         for seq in self.output_processor.detokenize(updates):
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        outputs = self.output_processor.make_outputs(updates, stats)
+        outputs = poisoned + self.output_processor.make_outputs(updates, stats)
         stats.step_seconds = time.perf_counter() - start
         self.metrics.record(stats)
         self.refresh_stats()
         return outputs
 
-    def _recover(self, error: WorkerFailedError, stats: IterationStats) -> None:
+    def _recover(self, error: WorkerFailedError, stats: IterationStats) -> list[RequestOutput]:
         """Replace the failed worker group and resume every request, or re-raise `error` when
-        there is no factory or the restart budget is spent."""
+        there is no factory or the restart budget is spent. Returns the outputs of the poison
+        requests it ended."""
         detected = time.perf_counter()
         self._spend_restart(error)
         stats.worker_restarts.append(error.cause)
+        failed, self.core.in_flight = self.core.in_flight, None
+        poison = self.scheduler.record_fault(failed)
         for listener in self.recovery_listeners:
             listener(True)
         try:
-            self.executor.shutdown()
+            previous = self.executor
             while True:
                 try:
-                    self.executor = self.core.executor = self._new_executor()
+                    self.executor = self.core.executor = self._new_executor(previous)
                     break
                 except WorkerFailedError as again:  # the new group lost a worker while it started
+                    previous = None  # shut down already
                     self._spend_restart(again)
                     stats.worker_restarts.append(again.cause)
         finally:
             for listener in self.recovery_listeners:
                 listener(False)
-        moved = self.scheduler.reset_after_worker_loss()
-        if self.kv_store is not None:  # what the failed step wrote into it cannot be trusted
-            self._restart_kv_store("the worker group was rebuilt")
+        moved = self.scheduler.reset_after_worker_loss(failed)
+        poisoned = [self._end_poison_request(request_id, stats) for request_id in poison]
         resumed = len(self.scheduler.groups)
         stats.requests_resumed += resumed
         stats.recovery_seconds.append(time.perf_counter() - detected)
-        log.warning("worker group rebuilt in %.2f s; %d requests (%d running sequences) resume",
-                    stats.recovery_seconds[-1], resumed, moved)
+        log.warning("worker group rebuilt in %.2f s; %d requests (%d sequences recompute, %d swapped "
+                    "keep their KV) resume", stats.recovery_seconds[-1], resumed, moved,
+                    sum(len(group) for group in self.scheduler.swapped))
+        return [out for out in poisoned if out is not None]
+
+    def _end_poison_request(self, request_id: str, stats: IterationStats) -> RequestOutput | None:
+        message = (f"request {request_id!r} was in the batch of {POISON_FAULTS} consecutive steps that "
+                   "crashed a worker; it was ended so that the other requests could resume")
+        log.error("%s", message)
+        self.scheduler.abort_request(request_id)
+        out = self.output_processor.abort_request(request_id, stats, "poison")
+        if out is not None:
+            out.error = message
+        return out
 
     def _spend_restart(self, error: WorkerFailedError) -> None:
         """Count one rebuild against max_worker_restarts within restart_window, or re-raise
@@ -221,14 +243,18 @@ class LLMEngine:
         self._restart_times.append(now)
         log.error("the worker group failed (%s): %s; rebuilding it", error.cause, _first_line(error))
 
-    def _new_executor(self) -> Executor:
+    def _new_executor(self, previous: Executor | None) -> Executor:
+        """A replacement group for `previous` (shut down by the factory) with the scheduler's
+        pool, attached to the surviving KV store."""
         num_blocks = self.scheduler.kv.num_blocks
-        executor = self._executor_factory()
+        executor = self._executor_factory(previous)
         try:
             if executor.num_available_blocks() < num_blocks:
                 raise RuntimeError(f"the rebuilt worker group holds fewer than the {num_blocks} KV blocks "
                                    "the scheduler manages")
             executor.init_cache(num_blocks)
+            if self.kv_store is not None:
+                executor.attach_kv_store(self.kv_store.layout)
         except BaseException:
             executor.shutdown()
             raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from coordinator.plan_builder import build_step_plan
-from coordinator.scheduler import Scheduler
+from coordinator.scheduler import Scheduler, SchedulerOutput
 from coordinator.sequence import GroupUpdate
 from coordinator.stats import IterationStats
 from workers.executor import Executor
@@ -25,11 +25,14 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.block_size = block_size
+        # The step the executor is running; left set when it raised, for the engine's recovery
+        # to read what the failed step was doing (its batch, its writes into the CPU store).
+        self.in_flight: SchedulerOutput | None = None
 
     def step(self, stats: IterationStats) -> list[GroupUpdate]:
         """One step; what it did goes to `stats` (its duration is the caller's to measure)."""
         scheduler = self.scheduler
-        out = scheduler.schedule()
+        out = self.in_flight = scheduler.schedule()
         stats.queue_times += out.queue_times
         stats.num_scheduled_tokens = out.num_tokens
         plan = build_step_plan(out, self.block_size, scheduler.take_finished_seq_ids(), scheduler.eos_token_ids)
@@ -38,9 +41,11 @@ class EngineCore:
             output = self.executor.execute(plan)
         finally:
             scheduler.kv.end_step()  # the CPU blocks the step held, whatever happened
+        self.in_flight = None
         stats.execute_seconds = time.perf_counter() - executed
         stats.worker_seconds = output.worker_seconds
         stats.swap_seconds = output.swap_seconds
         updates = scheduler.update_from_output(out, output, stats)
+        scheduler.clear_fault_suspects(out)
         stats.alloc_latencies_ns = scheduler.kv.pool.take_latency_samples()
         return updates

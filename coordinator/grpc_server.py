@@ -17,7 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.async_engine import AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError
+from coordinator.async_engine import (AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError,
+                                     RequestFailedError)
 from coordinator.sampling_params import SamplingParams
 from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
@@ -78,7 +79,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             stream = state.engine.generate(prompt, token_ids, params, request.request_id, request.priority,
                                            messages=messages, timeout=timeout)
             first = await anext(stream)
-        except (ValueError, QueueFullError, EngineDeadError, DeadlineExceededError) as e:
+        except (ValueError, QueueFullError, EngineDeadError, DeadlineExceededError, RequestFailedError) as e:
             await self._fail(e, context)
         try:
             out = first
@@ -99,7 +100,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     break
                 try:
                     out = await anext(stream)
-                except (EngineDeadError, DeadlineExceededError) as e:
+                except (EngineDeadError, DeadlineExceededError, RequestFailedError) as e:
                     await self._fail(e, context)
         finally:
             # A cancelled or expired stream arrives here as CancelledError: closing the stream

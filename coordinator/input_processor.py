@@ -24,14 +24,24 @@ class InputProcessor:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template: ready for a reply
+        (`add_generation_prompt`), or ending inside the last message, which the reply continues
+        (`continue_final_message`)."""
         if not messages:
             raise ValueError("messages must not be empty")
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt or token ids")
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                       return_dict=False))
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message)
+        except Exception as e:  # a template's own refusal (roles out of order, ...) is the client's to fix
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+        return list(ids)
 
     def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The prompt's token ids, or ValueError naming the field and limit."""
@@ -54,15 +64,17 @@ class InputProcessor:
         return prompt_token_ids
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
-                priority: int = 0, messages: list[dict] | None = None) -> list[int]:
+                priority: int = 0, messages: list[dict] | None = None,
+                chat_options: dict | None = None) -> list[int]:
         """Everything a request could be refused for; its prompt's token ids. `messages` (a chat)
-        takes the place of `prompt` and `prompt_token_ids`."""
+        takes the place of `prompt` and `prompt_token_ids`; `chat_options` are chat_prompt_ids'
+        keyword arguments."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer; got {priority!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
         if messages is not None:
-            prompt_token_ids = self.chat_prompt_ids(messages)
+            prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
         params.check_token_ids(self.vocab_size)
         return prompt_token_ids

@@ -10,7 +10,8 @@ CPU tier: a hashed device block evicted by an
 allocation is saved to the store under its hash before it is overwritten (the step's swap-outs
 run first on the workers), and a prefix that runs out of device hits continues in the store:
 those blocks are loaded onto fresh device blocks (swap-ins, before the forward pass) instead of
-being recomputed.
+being recomputed. A CPU block whose checksum fails when read back is dropped from both tiers,
+with the device block it was loaded onto (`drop_corrupt`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,18 @@ class KVCacheManager:
         """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
         if self.cpu_pool is not None:
             self.cpu_pool.end_step()
+
+    def drop_corrupt(self, cpu_blocks, device_blocks) -> None:
+        """`cpu_blocks` failed their checksum when read back onto `device_blocks`: no prefix hit
+        in either tier may hand them out again. Call it before freeing the sequences that hold
+        the device blocks, so that these return to the free queue uncached (at its head)."""
+        for block in device_blocks:
+            self.pool.forget(block)
+        cpu = self.cpu_pool
+        for block in cpu_blocks if cpu is not None else ():
+            cpu.forget(block)
+            if cpu.ref_counts[block] == 0:  # free already (the step ended): nothing in it to reuse
+                cpu.free_queue.move_to_end(block, last=False)
 
     def save_evicted(self) -> list[tuple[int, int]]:
         """(device, cpu) copies that keep the blocks evicted since the last call in the CPU tier.

@@ -71,7 +71,7 @@ HISTOGRAMS = {  # name -> (buckets, help)
 }
 
 
-FINISH_REASONS = ("stop", "length", "abort", "deadline")
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "poison")
 # Recent sampled block allocations kept for the p50/p99 in the stats.
 _ALLOC_LATENCY_SAMPLES = 65536
 
@@ -90,6 +90,7 @@ class EngineMetrics:
         self.worker_seconds = 0.0
         self.worker_restarts: Counter[str] = Counter()  # by cause: death, hang, error
         self.requests_resumed = 0
+        self.kv_checksum_failures = 0  # CPU blocks whose checksum failed when read back
 
     def record(self, it: IterationStats) -> None:
         observe = self.histograms
@@ -106,6 +107,7 @@ class EngineMetrics:
         self.finished.update(it.finish_reasons)
         self.worker_restarts.update(it.worker_restarts)
         self.requests_resumed += it.requests_resumed
+        self.kv_checksum_failures += it.kv_checksum_failures
         for value in it.recovery_seconds:
             observe["recovery_seconds"].observe(value)
         for ns in it.alloc_latencies_ns:

@@ -53,3 +53,6 @@ class RequestOutput:
     # outputs[0]'s delta (for streaming a request with one sample).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Set when the engine ended the request with an error (a poison request): a server answers
+    # it with INTERNAL.
+    error: str | None = None

@@ -105,6 +105,8 @@ class PagedserveCollector:
         yield labelled(CounterMetricFamily, "worker_restarts", "Worker groups rebuilt after a fault, by cause",
                        "cause", {cause: s[f"worker_restarts_{cause}"] for cause in ("death", "hang", "error")})
         yield counter("requests_resumed", "Requests resumed on a rebuilt worker group", s["requests_resumed"])
+        yield counter("kv_checksum_failures", "KV store blocks whose checksum failed when read back (what "
+                      "they held was recomputed, never served)", s["kv_checksum_failures_total"])
         yield labelled(CounterMetricFamily, "requests_finished", "Requests finished, by reason", "reason",
                        {reason: engine.metrics.finished[reason] for reason in FINISH_REASONS})
         for name, (_, doc) in HISTOGRAMS.items():
@@ -122,12 +124,18 @@ class PagedserveCollector:
         return family
 
 
+def make_registry(collector: PagedserveCollector) -> CollectorRegistry:
+    """The one registry of a server: this endpoint and the HTTP API's /metrics both serve it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
 class MetricsServer:
     """`/metrics` on host:port (port 0 picks a free one) in a daemon thread."""
 
-    def __init__(self, collector: PagedserveCollector, host: str, port: int):
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self.registry = registry
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:

@@ -31,11 +31,14 @@ Workers run a step's transfers in a fixed order: swap-outs (preempted groups, CP
 saves of evicted blocks), then copy-on-write copies, then swap-ins (swapped groups coming back,
 CPU prefix-tier loads), then the forward pass. So every device block is read before it is
 overwritten; CPU blocks read by a step are held until `KVCacheManager.end_step`, so no write reuses them.
+A CPU block read back whose checksum fails is reported by the workers, and `update_from_output`
+recomputes the sequences that hold it before anything computed from it is kept or streamed.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +49,8 @@ from coordinator.sampling_params import SamplingParams
 from coordinator.sequence import GroupUpdate, NewToken, Sequence, SequenceGroup, SequenceStatus, check_stop
 from coordinator.stats import IterationStats
 from workers.step_plan import StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -70,6 +75,9 @@ PRIORITY_AGING_STEPS = 64
 # recomputing costs ~1,565 us per token of prefill; swapping is cheaper from 0.02 tokens on. So
 # every victim with a computed token swaps; one with none has nothing to swap and recomputes.
 AUTO_SWAP_MIN_TOKENS = 1
+# A request in the batch of this many consecutive faulted steps (no step with it succeeded in
+# between) is a poison request: it is ended so that the others can resume.
+POISON_FAULTS = 2
 
 
 class Scheduler:
@@ -101,6 +109,9 @@ class Scheduler:
         # Groups swapped out together (a request's running samples or beams), oldest first.
         self.swapped: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
+        # request id -> consecutive faulted steps it was in the batch of. After a fault, suspects
+        # are admitted one request per step, so that a second fault points at one of them.
+        self.fault_suspects: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> SequenceGroup:
@@ -119,6 +130,7 @@ class Scheduler:
     def abort_request(self, request_id: str) -> SequenceGroup | None:
         """End a request in any state; every block of every sample comes back at once."""
         group = self.groups.pop(request_id, None)
+        self.fault_suspects.pop(request_id, None)
         if group is None:
             return None
         group.first.fork_ids = []
@@ -221,7 +233,10 @@ class Scheduler:
                            ) -> list[GroupUpdate]:
         """The workers ran `out`: advance each sequence, append its sampled token, fork, advance
         beams, finish what stopped (see the module docstring). Returns each touched request's
-        update, for the output processor; token timings and counts go to `stats`."""
+        update, for the output processor; token timings and counts go to `stats`. Sequences that
+        read a CPU block whose checksum failed recompute instead (`_recompute_corrupt`)."""
+        corrupt = output.corrupt_cpu_blocks
+        discarded = self._recompute_corrupt(out, corrupt, stats) if corrupt else set()
         sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
         logprobs = dict(zip(output.seq_ids, output.logprobs)) if output.logprobs else {}
         now = time.monotonic()
@@ -235,6 +250,8 @@ class Scheduler:
             return update
 
         for seq, n in out.scheduled:
+            if seq in discarded:
+                continue  # computed from bad K/V: nothing of it is kept, its sampled token neither
             seq.num_computed_tokens += n
             self.kv.commit_computed(seq)
             if seq.seq_id in output.prompt_logprobs:
@@ -261,6 +278,26 @@ class Scheduler:
                 stats.num_generation_tokens += advance_beams(self, update.group, self.eos_token_ids,
                                                              self.max_model_len)
         return list(updates.values())
+
+    def _recompute_corrupt(self, out: SchedulerOutput, corrupt: list[int], stats: IterationStats) -> set[Sequence]:
+        """CPU blocks this step read back (`out.swap_in`, `out.load`) failed their checksum: the
+        running sequences holding the device blocks they went to recompute (to the front of
+        waiting, tokens kept; not counted as preemptions), and neither prefix-cache tier keeps
+        the blocks. A swap-in's sequences had not run on the data yet (they run from the next
+        step on); a load's ran this very step, so the caller drops what it computed for them.
+        Returns those sequences."""
+        bad = set(corrupt)
+        devices = {d for c, d in out.swap_in + out.load if c in bad}
+        self.kv.drop_corrupt(bad, devices)
+        victims = [seq for seq in self.running if not devices.isdisjoint(seq.block_table)]
+        for seq in reversed(victims):
+            self.running.remove(seq)
+            self.kv.free(seq)
+            self._requeue_at_front(seq)
+        stats.kv_checksum_failures += len(bad)
+        log.warning("KV store blocks %s failed their checksum; recomputing request(s) %s", sorted(bad),
+                    ", ".join(dict.fromkeys(seq.request_id for seq in victims)) or "(none)")
+        return set(victims)
 
     @staticmethod
     def _record_token_time(seq: Sequence, group: SequenceGroup, now: float, stats: IterationStats) -> None:
@@ -312,8 +349,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
+        suspect = None  # the one fault suspect this step may admit (with its other samples)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
+            if seq.request_id in self.fault_suspects:
+                if suspect not in (None, seq.request_id):
+                    break
+                suspect = seq.request_id
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
             computed, loaded = [], []
             if seq.params.prompt_logprobs is None:
@@ -366,11 +408,32 @@ class Scheduler:
             self._requeue_at_front(seq)
         return len(seqs)
 
-    def reset_after_worker_loss(self) -> int:
+    def record_fault(self, failed: SchedulerOutput | None) -> list[str]:
+        """A worker fault ended step `failed`: every request in its batch is a suspect once more.
+        Returns the requests now in POISON_FAULTS consecutive faulted batches, for the caller to
+        end."""
+        if failed is None:
+            return []
+        batch = {seq.request_id for seq, _ in failed.scheduled}
+        for request_id in batch:
+            self.fault_suspects[request_id] = self.fault_suspects.get(request_id, 0) + 1
+        return sorted(r for r in batch if self.fault_suspects[r] >= POISON_FAULTS)
+
+    def clear_fault_suspects(self, out: SchedulerOutput) -> None:
+        """Step `out` ran: the requests in its batch are cleared of any earlier fault."""
+        if self.fault_suspects:
+            for seq, _ in out.scheduled:
+                self.fault_suspects.pop(seq.request_id, None)
+
+    def reset_after_worker_loss(self, failed: SchedulerOutput | None = None) -> int:
         """The worker group was lost with every device block: the device pool starts empty (its
         prefix cache with it), and every running sequence goes back to the front of waiting with
-        its tokens kept, to recompute as recompute preemption does (not counted as one). Swapped
-        groups are the KV store's to keep or recompute. Returns how many sequences moved."""
+        its tokens kept, to recompute as recompute preemption does (not counted as one).
+        Swapped groups keep their CPU blocks and swap back in, and the CPU prefix tier stays,
+        except what the interrupted step `failed` was writing into the store: the groups it
+        swapped out recompute, and the tier blocks it saved lose their hash. Returns how many
+        sequences moved to waiting."""
+        moved = self._forget_store_writes(failed) if failed is not None else 0
         running, self.running = self.running, []
         self.kv.reset_device_pool()
         for seq in reversed(running):
@@ -378,7 +441,24 @@ class Scheduler:
             self._requeue_at_front(seq)
         for group in self.groups.values():
             group.pending_beam_logprobs.clear()  # every beam samples its position again
-        return len(running)
+        return moved + len(running)
+
+    def _forget_store_writes(self, failed: SchedulerOutput) -> int:
+        """Undo what step `failed` wrote into the CPU store: its data may be partial."""
+        cpu = self.kv.cpu_pool
+        if cpu is None:
+            return 0
+        for _, cpu_block in failed.swap_out:
+            cpu.forget(cpu_block)  # a tier save: the block no longer stands for its hash
+        preempted = {seq.seq_id for seq in failed.preempted}
+        interrupted = [group for group in self.swapped if any(seq.seq_id in preempted for seq in group)]
+        seqs = [seq for group in interrupted for seq in group]
+        for group in interrupted:
+            self.swapped.remove(group)
+        for seq in reversed(seqs):
+            self.kv.free_cpu(seq)
+            self._requeue_at_front(seq)
+        return len(seqs)
 
     def _swappable(self, seq: Sequence) -> bool:
         if self.kv.cpu_pool is None or self.preemption_mode == "recompute":
@@ -420,3 +500,4 @@ class Scheduler:
         group = self.groups.get(seq.request_id)
         if group is not None and group.finished:
             del self.groups[seq.request_id]
+            self.fault_suspects.pop(seq.request_id, None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
+
 
 @dataclass(slots=True)
 class ServerOptions:
@@ -23,15 +25,22 @@ class ServerOptions:
     default_metrics: bool = False  # with metrics_port None: DEFAULT_METRICS_PORT, or a free one if taken
     request_timeout: float | None = None  # seconds: the deadline of a request that brings none
     drain_timeout: float = 30.0  # seconds in-flight requests may finish in when the server stops
+    http: bool = True  # the OpenAI-compatible HTTP API beside gRPC (same engine, state and auth)
+    http_host: str = "127.0.0.1"
+    # 0 picks a free port; None: DEFAULT_HTTP_PORT, or a free one (see status) when it is taken,
+    # so that several servers (and tests) on one machine never fail over the default.
+    http_port: int | None = None
 
     def __post_init__(self):
-        for name in ("host", "metrics_host"):
+        for name in ("host", "metrics_host", "http_host"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty host name or address; got {value!r}")
         _check_port("port", self.port)
         if self.metrics_port is not None:
             _check_port("metrics_port", self.metrics_port)
+        if self.http_port is not None:
+            _check_port("http_port", self.http_port)
         if not _is_int(self.max_queued_requests) or self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be an integer >= 1; got {self.max_queued_requests!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -50,8 +59,9 @@ class ServerOptions:
         if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
                 or self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be a number of seconds >= 0; got {self.drain_timeout!r}")
-        if not isinstance(self.default_metrics, bool):
-            raise ValueError(f"default_metrics must be True or False; got {self.default_metrics!r}")
+        for name in ("default_metrics", "http"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 
     @property
     def tls(self) -> tuple[bytes, bytes] | None:

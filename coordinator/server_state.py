@@ -42,7 +42,7 @@ def error_kind(error: BaseException) -> str:
     invalid_argument, QueueFullError -> queue_full, EngineDeadError -> unavailable when refused
     before it was queued or when the workers failed past their restart budget (a fail-stop, not a
     bug), internal when the engine loop itself failed under the request; anything else is a bug
-    (internal)."""
+    (internal). RequestFailedError (a poison request ended by the engine) is internal too."""
     if isinstance(error, EngineDeadError):
         if not error.in_flight or isinstance(error.cause, WorkerFailedError):
             return "unavailable"

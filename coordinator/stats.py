@@ -69,6 +69,7 @@ class IterationStats:
     worker_restarts: list[str] = field(default_factory=list)  # causes: death, hang, error
     requests_resumed: int = 0
     recovery_seconds: list[float] = field(default_factory=list)  # fault detected to workers back
+    kv_checksum_failures: int = 0  # CPU blocks read back with a bad checksum (their holders recompute)
 
 
 def scheduler_stats(scheduler) -> SchedulerStats:
@@ -131,6 +132,7 @@ def engine_stats(engine) -> dict:
         "worker_restarts": sum(metrics.worker_restarts.values()),
         **{f"worker_restarts_{cause}": metrics.worker_restarts[cause] for cause in ("death", "hang", "error")},
         "requests_resumed": metrics.requests_resumed,
+        "kv_checksum_failures_total": metrics.kv_checksum_failures,
         "prompt_tokens": metrics.num_prompt_tokens,
         "generation_tokens": metrics.num_generation_tokens,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).

@@ -5,6 +5,10 @@ shared-memory one).
 Data moves as raw bytes in chunks of at most CHUNK_BYTES; headers and manifests are msgpack. Every
 chunk is checked against the pool's layout before a byte is written.
 
+Checksums travel in the headers: the chunk where a shard starts names its crc32 (`checksums`),
+taken by the writing rank; the store keeps it beside the shard (a shard put without one gets the
+store's own), sends it back with the shard, and the reading rank checks it, as over shared memory.
+
 The bulk path avoids protobuf's copies: a worker writes each BlockChunk's wire bytes itself (two
 length-delimited fields, so a shard's bytes are copied once, into the message), and the store
 reads the fields of a received message as views of its buffer (`decode_chunk`). The wire format
@@ -22,7 +26,7 @@ import grpc
 import msgpack
 import numpy as np
 
-from kvstore.store import StoreLayout, check_device_blocks
+from kvstore.store import StoreLayout, check_device_blocks, shard_checksum
 from pagedserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 # Streamed in 1 MiB chunks: on loopback here 1 MiB measured fastest (2 and 4 MiB chunks were
@@ -99,10 +103,10 @@ def decode_chunk(raw: bytes) -> tuple[bytes, memoryview]:
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, layout: StoreLayout, valid: np.ndarray, data: np.ndarray):
+    def __init__(self, layout: StoreLayout, valid: np.ndarray, crc: np.ndarray, data: np.ndarray):
         if not layout.secret:
             raise ValueError("the store's gRPC service needs a secret (StoreLayout.secret)")
-        self.layout, self.valid, self.data = layout, valid, data
+        self.layout, self.valid, self.crc, self.data = layout, valid, crc, data
         self._expected = f"Bearer {layout.secret}".encode()
 
     def _check_secret(self, context) -> None:
@@ -122,10 +126,24 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             raise ValueError(f"bytes [{offset}, {offset + length}) fall outside a {self.layout.block_bytes}-byte shard")
         return block, offset, length
 
+    def _check_checksums(self, rank, entries) -> dict[int, int]:
+        if not isinstance(entries, list):
+            raise ValueError("checksums must be a list of [block, crc32] integers")
+        out = {}
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+                    and 0 <= entry[1] < 1 << 32):
+                raise ValueError("each checksum must be [block, crc32] integers")
+            self.layout.check([entry[0]], rank)
+            out[entry[0]] = entry[1]
+        return out
+
     def PutBlocks(self, request_iterator, context):
         """`request_iterator` yields serialized BlockChunks (see `serve`): parsed as views."""
         self._check_secret(context)
         received: dict[tuple[int, int], int] = {}
+        sums: dict[tuple[int, int], int] = {}
         writes = []
         try:
             for raw in request_iterator:
@@ -134,6 +152,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 rank, pieces = header["rank"], header["pieces"]
                 if not isinstance(rank, int) or not isinstance(pieces, list):
                     raise ValueError("rank must be an integer and pieces a list")
+                for block, crc in self._check_checksums(rank, header.get("checksums", [])).items():
+                    sums[block, rank] = crc
                 start = 0
                 for piece in pieces:
                     block, offset, length = self._check_piece(rank, piece)
@@ -153,11 +173,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             if short:
                 raise ValueError(f"shard of block {short[0][0]} (rank {short[0][1]}) incomplete: "
                                  f"{received[short[0]]} of {self.layout.block_bytes} bytes")
+            stray = [k for k in sums if k not in received]
+            if stray:
+                raise ValueError(f"a checksum for block {stray[0][0]} (rank {stray[0][1]}), whose shard was not sent")
         except ValueError as e:  # nothing was written
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         for block, rank, offset, payload, start, length in writes:
             self.data[block, rank, offset:offset + length] = np.frombuffer(payload, np.uint8, length, start)
         for block, rank in received:
+            crc = sums.get((block, rank))
+            self.crc[block, rank] = shard_checksum(self.data[block, rank]) if crc is None else crc
             self.valid[block, rank] = 1
         return kvstore_pb2.PutReply(blocks=len(received))
 
@@ -179,18 +204,20 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 raise ValueError(f"cpu block {missing[0]} holds no shard of rank {rank}")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        yield from _chunks(rank, [(b, self.data[b, rank]) for b in blocks])
+        yield from _chunks(rank, [(b, self.data[b, rank], int(self.crc[b, rank])) for b in blocks])
         if release:
             for block in blocks:
                 self.valid[block, rank] = 0
 
 
 def _chunks(rank: int, shards) -> Iterator[bytes]:
-    """Pack (block, bytes) shards into chunks of up to CHUNK_BYTES: several small shards share a
-    message, a large one spans several (per-message costs dominate below ~1 MiB)."""
-    pieces, parts, size = [], [], 0
-    for block, shard in shards:
+    """Pack (block, bytes, crc32) shards into chunks of up to CHUNK_BYTES: several small shards
+    share a message, a large one spans several (per-message costs dominate below ~1 MiB). A
+    shard's checksum goes in the header of the chunk where the shard starts."""
+    pieces, parts, sums, size = [], [], [], 0
+    for block, shard, crc in shards:
         shard = memoryview(shard).cast("B")
+        sums.append([block, crc])
         offset = 0
         while offset < len(shard):
             length = min(len(shard) - offset, CHUNK_BYTES - size)
@@ -199,10 +226,10 @@ def _chunks(rank: int, shards) -> Iterator[bytes]:
             size += length
             offset += length
             if size == CHUNK_BYTES:
-                yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces}), parts)
-                pieces, parts, size = [], [], 0
+                yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces, "checksums": sums}), parts)
+                pieces, parts, sums, size = [], [], [], 0
     if pieces:
-        yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces}), parts)
+        yield encode_chunk(msgpack.packb({"rank": rank, "pieces": pieces, "checksums": sums}), parts)
 
 
 _SERVICE = "pagedserve.v1.KVStore"
@@ -221,9 +248,10 @@ def _handlers(service: KVStoreService) -> grpc.GenericRpcHandler:
     })
 
 
-def serve(layout: StoreLayout, valid: np.ndarray, data: np.ndarray, host: str) -> tuple[grpc.Server, int]:
+def serve(layout: StoreLayout, valid: np.ndarray, crc: np.ndarray, data: np.ndarray,
+          host: str) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
-    server.add_generic_rpc_handlers((_handlers(KVStoreService(layout, valid, data)),))
+    server.add_generic_rpc_handlers((_handlers(KVStoreService(layout, valid, crc, data)),))
     port = server.add_insecure_port(f"{host}:0")
     server.start()
     return server, port
@@ -287,11 +315,19 @@ class GrpcSwapSpace:
             return
         check_device_blocks([d for d, _ in pairs], self._kv_bytes.shape[0])
         self.layout.check([c for _, c in pairs], self.rank)
-        self._put(_chunks(self.rank, ((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs)))  # GPU: staged
+        self._put(_chunks(self.rank, self._sealed((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs)))
 
-    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
+    @staticmethod
+    def _sealed(shards):
+        """(block, host bytes) -> (block, host bytes, crc32); a GPU's block is staged on the host."""
+        for block, shard in shards:
+            yield block, shard, shard_checksum(shard)
+
+    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> list[int]:
+        """Returns the cpu blocks whose shard fails its checksum (copied all the same: the caller
+        must not use them)."""
         if not pairs:
-            return
+            return []
         check_device_blocks([d for _, d in pairs], self._kv_bytes.shape[0])
         target = {c: d for c, d in pairs}
         on_gpu = self._kv_bytes.is_cuda
@@ -299,18 +335,24 @@ class GrpcSwapSpace:
         rows = {c: (np.empty(self._kv_bytes.shape[1], np.uint8) if on_gpu else self._kv_bytes[d].numpy())
                 for c, d in pairs}
         manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank, "release": release})
+        sums = {}
         for raw in self._get(kvstore_pb2.GetRequest(manifest=manifest)):
             header, data = decode_chunk(raw)
+            header = msgpack.unpackb(header)
             data = np.frombuffer(data, dtype=np.uint8)
             start = 0
-            for block, offset, length in msgpack.unpackb(header)["pieces"]:
+            for block, offset, length in header["pieces"]:
                 rows[block][offset:offset + length] = data[start:start + length]
                 start += length
+            sums.update((block, crc) for block, crc in header.get("checksums", ()))
+        # A shard that came without a checksum cannot be trusted either.
+        corrupt = [c for c in rows if sums.get(c) != shard_checksum(rows[c])]
         if on_gpu:
             import torch
 
             for c, d in target.items():
                 self._kv_bytes[d].copy_(torch.from_numpy(rows[c]))
+        return corrupt
 
     def finish(self) -> None:
         """Every call returns once its data has moved: nothing to wait for."""

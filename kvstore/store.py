@@ -2,18 +2,21 @@
 
 Layout of the named shared-memory segment (created owner-only, mode 0600, by the store):
 
-    [valid: num_cpu_blocks x tp_size bytes][data: num_cpu_blocks x tp_size x block_bytes_per_rank]
+    [valid: num_cpu_blocks x tp_size bytes][pad][crc: num_cpu_blocks x tp_size uint32][pad]
+    [data: num_cpu_blocks x tp_size x block_bytes_per_rank]
 
-A worker of rank r copies its shard of a device block into data[cpu_block, r] and then sets
-valid[cpu_block, r]; a block is valid once every rank has written its shard. Swapping in reads
-the shard and clears the flag. The coordinator hands out CPU block ids (its second allocator)
-and only moves ids; the data never passes through it.
+A worker of rank r copies its shard of a device block into data[cpu_block, r], then writes the
+shard's crc32 into crc[cpu_block, r] and sets valid[cpu_block, r]; a block is valid once every
+rank has written its shard. Swapping in reads the shard, checks it against its crc (a mismatch is
+reported, never served: see workers/worker.py) and clears the flag. The coordinator hands out CPU
+block ids (its second allocator) and only moves ids; the data never passes through it.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import zlib
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
@@ -36,8 +39,12 @@ class StoreLayout:
     secret: str = field(default="", repr=False)
 
     @property
+    def crc_offset(self) -> int:
+        return _round_up(self.num_blocks * self.tp_size, 8)  # uint32 views need aligned memory
+
+    @property
     def header_bytes(self) -> int:
-        return self.num_blocks * self.tp_size
+        return _round_up(self.crc_offset + 4 * self.num_blocks * self.tp_size, 64)
 
     @property
     def size(self) -> int:
@@ -52,6 +59,18 @@ class StoreLayout:
             raise ValueError(f"cpu block {bad[0]} is not in [0, {self.num_blocks})")
         if nbytes is not None and nbytes != self.block_bytes:
             raise ValueError(f"a block shard is {self.block_bytes} bytes; got {nbytes}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def shard_checksum(shard) -> int:
+    """crc32 of one block shard (any contiguous buffer). Measured here: 2.6-3.4 GB/s, ~220-290 us
+    for a SmolLM2 fp32 block (737 KB), 3-5x the copy itself; paid at swap-out and again at
+    swap-in (~30 us per token for the round trip), it stays ~50x below recomputing (~1.6 ms per
+    token of prefill), so swapping still wins."""
+    return zlib.crc32(shard)
 
 
 def check_device_blocks(blocks, num_blocks: int) -> None:
@@ -84,9 +103,61 @@ def unlink_segment(name: str) -> None:
         pass
 
 
+def _name_prefix() -> str | None:
+    """pagedserve-kv-<pid namespace>-: with the creator's pid after it, a later store on this node
+    can tell a dead store's segment (see unlink_orphaned_segments). None without procfs."""
+    try:
+        return f"pagedserve-kv-{os.stat('/proc/self/ns/pid').st_ino:x}-"
+    except OSError:
+        return None
+
+
+def _segment_name() -> str:
+    prefix = _name_prefix()
+    token = secrets.token_hex(6)
+    return f"{prefix}{os.getpid():x}-{token}" if prefix else f"pagedserve-kv-{token}"
+
+
+def unlink_orphaned_segments() -> list[str]:
+    """Remove this node's segments whose creating store process is gone; returns their names. A
+    store ends with its owner (the coordinator): when Ray ends it after the coordinator's process
+    died, nothing unlinks its segment (no close, no resource tracker left). Only names made in this
+    pid namespace are judged, so a store in another container sharing /dev/shm is left alone."""
+    prefix = _name_prefix()
+    try:
+        names = os.listdir("/dev/shm") if prefix else []
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        try:
+            pid = int(name[len(prefix):].split("-")[0], 16) if name.startswith(prefix) else None
+        except ValueError:
+            continue
+        if pid is not None and not _running(pid):
+            unlink_segment(name)
+            removed.append(name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # after the command name (it may hold spaces)
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+def checksums(shm, layout: StoreLayout) -> np.ndarray:
+    """The crc32 of every shard, crc[num_blocks, tp], in a segment mapped by `attach`."""
+    shape = (layout.num_blocks, layout.tp_size)
+    return np.frombuffer(shm.buf, np.uint32, shape[0] * shape[1], layout.crc_offset).reshape(shape)
+
+
 def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
     buf = np.frombuffer(shm.buf, dtype=np.uint8)
-    valid = buf[:layout.header_bytes].reshape(layout.num_blocks, layout.tp_size)
+    valid = buf[:layout.num_blocks * layout.tp_size].reshape(layout.num_blocks, layout.tp_size)
     data = buf[layout.header_bytes:layout.size].reshape(layout.num_blocks, layout.tp_size, layout.block_bytes)
     return valid, data
 
@@ -99,11 +170,13 @@ class KVStore:
             raise ValueError(f"swap_space holds no KV block ({block_bytes * tp_size} bytes each)")
         if transport not in ("shm", "grpc"):
             raise ValueError(f"kv_transport must be shm or grpc here; got {transport!r}")
-        name = f"pagedserve-kv-{secrets.token_hex(6)}"
+        unlink_orphaned_segments()  # a dead coordinator's store left its segment on this node
+        name = _segment_name()
         self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes, owner_pid=os.getpid())
         # SharedMemory creates with mode 0600: only this user's processes can map it.
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.layout.size)
         self._valid, self._data = _views(self._shm, self.layout)
+        self._crc = checksums(self._shm, self.layout)
         self._valid[:] = 0
         self._server = None
         if transport == "grpc":
@@ -115,7 +188,7 @@ class KVStore:
             # to reach it; and a per-store secret guards it even from this node's other users.
             secret = secrets.token_urlsafe(32)
             self.layout = replace(self.layout, transport="grpc", secret=secret)
-            self._server, port = serve(self.layout, self._valid, self._data, "127.0.0.1")
+            self._server, port = serve(self.layout, self._valid, self._crc, self._data, "127.0.0.1")
             self.layout = replace(self.layout, grpc_address=f"127.0.0.1:{port}")
 
     def get_layout(self) -> StoreLayout:
@@ -141,7 +214,7 @@ class KVStore:
             self._server.stop(grace=None)
             self._server = None
         if self._shm is not None:
-            self._valid = self._data = None
+            self._valid = self._crc = self._data = None
             self._shm.unlink()  # the name goes now; the memory when the last mapping does
             try:
                 self._shm.close()

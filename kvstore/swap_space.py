@@ -3,6 +3,9 @@
 Same node as the store: `ShmSwapSpace` maps the segment (kvstore/shm_transport.py). Other nodes:
 `GrpcSwapSpace` streams blocks through the store's service (kvstore/grpc_transport.py). The
 store's layout says which (`layout.transport`), so a worker only calls `open_swap_space`.
+
+Every shard is checksummed (crc32) by the rank that writes it and checked by the rank that reads
+it; a shard that fails is reported by `swap_in`, and the coordinator recomputes what it held.
 """
 
 from __future__ import annotations
@@ -19,15 +22,18 @@ class SwapSpace(Protocol):
     layout: StoreLayout
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, cpu block) pairs: write this rank's shards and mark them valid."""
+        """(device block, cpu block) pairs: write this rank's shards with their checksums and
+        mark them valid."""
 
-    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> None:
+    def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> list[int]:
         """(cpu block, device block) pairs: read this rank's shards back; `release=False` keeps
-        them valid in the store (the CPU prefix tier)."""
+        them valid in the store (the CPU prefix tier). Returns the cpu blocks whose shard failed
+        its checksum: their device blocks hold bad data, which nothing may use."""
 
     def finish(self) -> None:
-        """Return once this step's copies are done; the worker calls it before its step returns,
-        so the store's data is complete whenever the coordinator sees the step executed."""
+        """Return once this step's copies are done (and their checksums written); the worker
+        calls it before its step returns, so the store's data is complete whenever the
+        coordinator sees the step executed."""
 
     def close(self) -> None:
         """Let go of the store (its pool stays: the store owns it)."""

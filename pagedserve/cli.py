@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the server: the coordinator as a Ray actor serving gRPC",
-                           description="Serve a model over gRPC until Ctrl-C or SIGTERM (or, with --detach, "
-                                       "leave it running in the Ray cluster).")
+    serve = sub.add_parser("serve", help="run the server: the coordinator as a Ray actor serving gRPC and the "
+                                         "OpenAI-compatible HTTP API",
+                           description="Serve a model over gRPC and HTTP (OpenAI's API) until Ctrl-C or SIGTERM "
+                                       "(or, with --detach, leave it running in the Ray cluster).")
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="interface the gRPC server binds (default: %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
@@ -65,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "request is aborted, its blocks freed, and the client told DEADLINE_EXCEEDED "
                             "(default: none)")
     serve.add_argument("--api-key", default=None,
-                       help=f"require 'authorization: Bearer <key>' on Serving calls (default: ${API_KEY_ENV} "
-                            "if set, else no auth); health and reflection stay open")
+                       help=f"require 'authorization: Bearer <key>' on Serving calls and the HTTP API (default: "
+                            f"${API_KEY_ENV} if set, else no auth); health, reflection, /health, /version and "
+                            "/metrics stay open")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain) file: serve over TLS")
     serve.add_argument("--tls-key", default=None, help="PEM private key file of --tls-cert")
     serve.add_argument("--metrics-host", default="127.0.0.1",
@@ -75,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="port of the Prometheus endpoint; 0 picks a free one (default: 9400, or a free "
                             "port, printed, when 9400 is taken)")
     serve.add_argument("--no-metrics", action="store_true", help="serve no Prometheus endpoint")
+    serve.add_argument("--http-host", default="127.0.0.1",
+                       help="interface of the OpenAI-compatible HTTP API (default: %(default)s)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="port of the OpenAI-compatible HTTP API; 0 picks a free one (default: 8000, or a "
+                            "free port, printed, when 8000 is taken)")
+    serve.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)

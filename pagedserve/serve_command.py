@@ -118,7 +118,8 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
     return ServerOptions(host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                          api_key=api_key, tls_cert=cert, tls_key=key, metrics_host=args.metrics_host,
                          metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics,
-                         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+                         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
+                         http=not args.no_http, http_host=args.http_host, http_port=args.http_port)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
@@ -132,25 +133,22 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         return 1
     import ray
 
-    from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
+    from coordinator.actor import ACTOR_NAME, NAMESPACE
     # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does. SIGINT
     # too, explicitly: a shell starting us in the background (`&`) leaves SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     actor = None
     try:
-        options = {"name": ACTOR_NAME, "namespace": NAMESPACE}
-        if args.detach:
-            options["lifetime"] = "detached"
         try:
-            actor = CoordinatorActor.options(**options).remote()
+            actor = create_coordinator(config, server_options, args.detach)
         except ValueError:  # the name is taken
             _err(f"a pagedserve server already runs in this Ray cluster (actor {ACTOR_NAME!r} in namespace "
                  f"{NAMESPACE!r}); stop it first with `pagedserve stop`")
             return 1
         _err(f"loading {config.model} ...")
         try:
-            port = ray.get(actor.start.remote(config_dict(config), server_options, wait=False))
+            port = ray.get(actor.launch.remote(wait=False))
             _err(f"bound {_hostport(args.host, port)}; health says NOT_SERVING until the model is loaded")
             ray.get(actor.wait_ready.remote())
         except ray.exceptions.RayError as e:
@@ -159,6 +157,9 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         status = ray.get(actor.status.remote())
         if "metrics_port" in status:
             _err(f"Prometheus metrics on http://{_hostport(args.metrics_host, status['metrics_port'])}/metrics")
+        if "http_port" in status:
+            scheme = "https" if server_options.tls is not None else "http"
+            _err(f"OpenAI-compatible API on {scheme}://{_hostport(args.http_host, status['http_port'])}/v1")
         notes = [n for n, on in (("TLS", server_options.tls is not None), ("API key required", bool(api_key)))
                  if on]
         print(f"serving {config.model} on {_hostport(args.host, port)}" + (f" ({', '.join(notes)})" if notes else ""),
@@ -181,6 +182,26 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def create_coordinator(config: EngineConfig, options: ServerOptions, detach: bool):
+    """The named coordinator actor that `serve` starts with `launch()` (ValueError: the name is
+    taken). Detached, it outlives this process and Ray restarts it, with no limit, whenever its
+    process dies: it then serves again by itself on the same node and ports, with a fresh engine
+    (CoordinatorActor.resume); `stop` ends it for good. Not detached, this process watches it and
+    exits when it dies."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
+
+    actor_options = {"name": ACTOR_NAME, "namespace": NAMESPACE}
+    if detach:
+        # Pinned to this node: the server's address (127.0.0.1 by default) is this node's, and a
+        # restart must serve on it again, not wherever Ray finds room.
+        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor_options.update(lifetime="detached", max_restarts=-1, scheduling_strategy=node)
+    return CoordinatorActor.options(**actor_options).remote(config_dict(config), options)
 
 
 def _serve_until_stopped(actor) -> int:

@@ -19,6 +19,7 @@ from coordinator.server_options import ServerOptions
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from tests.serving import running_coordinator
+from workers import fault_hook
 
 ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=64)
 
@@ -152,3 +153,28 @@ def test_past_its_restart_budget_a_killed_worker_fails_the_server_cleanly(ray_se
     finally:
         ray.get(actor.shutdown.remote(), timeout=60)
         ray.kill(actor)
+
+
+def test_a_poison_request_ends_with_internal_naming_it_while_another_stream_carries_on(
+        ray_session, tiny_llama, offline):
+    """Workers armed to crash on a token (tests only): the request holding it gets INTERNAL with
+    its id after two faulted steps; a stream in flight beside it ends with the fault-free tokens."""
+    prompt = list(range(100, 140))
+    expected = offline.generate({"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+    token = next(t for t in range(1000, 2000) if t not in expected and t not in prompt)
+    config = EngineConfig(model=tiny_llama, **ENGINE)
+    with running_coordinator(config, env={fault_hook.CRASH_ON_TOKEN_ENV: str(token)}) as (_, target):
+        with pagedserve.Client(target, timeout=120) as client:
+            stream = client.stream(prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+            tokens = list(next(stream).token_ids)
+            with pytest.raises(pagedserve.ServingError) as err:
+                client.generate([5, token, 6], max_tokens=3, request_id="the-poison")
+            assert err.value.code == grpc.StatusCode.INTERNAL and "'the-poison'" in str(err.value)
+            for chunk in stream:
+                tokens += chunk.token_ids
+            assert tokens == list(expected)
+            stats = client.stats()
+            assert stats["requests_finished_poison"] == 1 and stats["worker_restarts_death"] == 2
+            assert _wait_for_no_used_blocks(client) == 0

@@ -192,6 +192,7 @@ def test_server_options_defaults_tls_pair_and_pickling():
     assert (options.host, options.port, options.max_queued_requests) == ("127.0.0.1", 50051, 1024)
     assert options.api_key is None
     assert options.tls is None and options.metrics_port is None and not options.default_metrics
+    assert options.http and (options.http_host, options.http_port) == ("127.0.0.1", None)  # 8000, or free
     tls = ServerOptions(port=0, tls_cert=b"CERT", tls_key=b"KEY", api_key="k", metrics_port=0)
     assert tls.tls == (b"CERT", b"KEY")
     assert pickle.loads(pickle.dumps(tls)) == tls  # Ray ships it to the actor
@@ -210,6 +211,9 @@ def test_server_options_defaults_tls_pair_and_pickling():
     ({"tls_key": b"KEY"}, "tls_key is set, tls_cert is not"),
     ({"tls_cert": "cert.pem", "tls_key": b"KEY"}, "tls_cert must be the PEM file's bytes"),
     ({"default_metrics": 1}, "default_metrics must be True or False"),
+    ({"http_port": 70000}, "http_port must be an integer in 0..65535"),
+    ({"http_host": ""}, "http_host must be a non-empty"),
+    ({"http": "yes"}, "http must be True or False"),
 ])
 def test_server_options_refuse_bad_values_naming_the_field(kwargs, words):
     with pytest.raises(ValueError) as info:

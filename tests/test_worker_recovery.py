@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from workers import fault_hook
 from workers.executor import WorkerFailedError
 
 PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 20 + 9 * i)) for i in range(4)]
@@ -61,9 +62,10 @@ def _assert_all_free(llm: LLM) -> None:
 def test_sigkilled_worker_is_replaced_and_every_request_resumes_with_the_same_tokens(
         ray_session, tiny_llama, fault_free, tp, rank, after_steps):
     with LLM(tiny_llama, distributed_executor_backend="ray", tensor_parallel_size=tp, **ENGINE) as llm:
-        old = llm.engine.executor.worker_pids()
+        old, spares = llm.engine.executor.worker_pids(), llm.engine.executor.spare_pids()
         got = _run_with_fault(llm, lambda pid: os.kill(pid, signal.SIGKILL), after_steps, rank)
         assert got == fault_free  # greedy and seeded n=2: no token lost, repeated or changed
+        assert llm.engine.executor.worker_pids() == spares  # the warm spares took over
         stats = llm.stats()
         assert stats["worker_restarts_death"] == 1 and stats["requests_resumed"] == len(PROMPTS)
         assert stats["recovery_seconds_count"] == 1
@@ -103,3 +105,69 @@ def test_a_crash_loop_ends_in_a_clean_fail_stop(ray_session, tiny_llama):
             for _ in range(5):
                 engine.step()
         assert info.value.cause == "death"
+
+
+def _crash_token(*token_lists) -> int:
+    """A token id in none of these lists: a poison prompt holds it, no other step ever does."""
+    seen = {t for tokens in token_lists for t in tokens}
+    return next(t for t in range(1000, 2000) if t not in seen)
+
+
+def test_a_poison_request_is_ended_after_two_faulted_steps_and_the_others_resume(
+        ray_session, tiny_llama, fault_free, monkeypatch):
+    """The armed fault hook kills every worker whose step holds the poison token: its request
+    ends with an error naming it after its second faulted step; every other request finishes
+    with the fault-free tokens."""
+    token = _crash_token(*PROMPTS, *(t for request in fault_free for t in request))
+    monkeypatch.setenv(fault_hook.CRASH_ON_TOKEN_ENV, str(token))
+    with LLM(tiny_llama, distributed_executor_backend="ray", **ENGINE) as llm:
+        engine = llm.engine
+        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+            engine.add_request(str(i), None, prompt, params)
+        engine.add_request("poison", None, [5, 6, token, 7],
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert _tokens([finished[str(i)] for i in range(len(PROMPTS))]) == fault_free
+        assert "'poison'" in finished["poison"].error
+        assert all(finished[str(i)].error is None for i in range(len(PROMPTS)))
+        stats = llm.stats()
+        assert stats["worker_restarts_death"] == 2  # its two faults, no third
+        assert stats["requests_finished_poison"] == 1
+        assert not engine.scheduler.fault_suspects
+        _assert_all_free(llm)
+
+
+SWAP_ENGINE = dict(kv_cache_memory=8 * 2 * 2 * 16 * 2 * 16 * 4, swap_space=0.01, preemption_mode="swap",
+                   max_num_batched_tokens=64)  # 8 blocks of the tiny model: groups must swap
+
+
+def test_a_swapped_group_keeps_its_kv_through_a_worker_fault(ray_session, tiny_llama, fault_free):
+    """A worker is killed while a group sits in the CPU store: the store outlives the group, and
+    the swapped group swaps back in (no recompute) with the fault-free tokens."""
+    with LLM(tiny_llama, distributed_executor_backend="ray", **SWAP_ENGINE) as llm:
+        engine = llm.engine
+        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+            engine.add_request(str(i), None, prompt, params)
+        finished, survivors = {}, None
+        while engine.has_unfinished_requests():
+            if survivors is None and engine.scheduler.swapped:
+                os.kill(engine.executor.worker_pids()[0], signal.SIGKILL)
+                swapped = [seq for group in engine.scheduler.swapped for seq in group]
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if survivors is None and llm.stats()["worker_restarts"] == 1:
+                survivors = [seq for seq in swapped
+                             if any(seq in group for group in engine.scheduler.swapped)]
+                assert survivors and all(seq.cpu_block_table for seq in survivors)
+                swap_ins = engine.scheduler.swap_in_blocks
+        assert _tokens([finished[str(i)] for i in range(len(PROMPTS))]) == fault_free
+        assert engine.scheduler.swap_in_blocks > swap_ins  # they came back from the store
+        assert all(seq.num_preemptions == 1 for seq in survivors)  # swapped once, never recomputed
+        assert engine.kv_store_restarts == 0
+        _assert_all_free(llm)
+        assert llm.stats()["cpu_blocks_used"] == 0

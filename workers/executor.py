@@ -31,7 +31,8 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one step on every rank; rank 0's output (the sampled tokens)."""
+        """Run one step on every rank; rank 0's output (the sampled tokens), with every rank's
+        corrupt CPU blocks (`merge_rank_outputs`)."""
 
     @abstractmethod
     def node_id(self) -> str | None:
@@ -60,14 +61,27 @@ class Executor(ABC):
         self.collective_rpc("attach_kv_store", layout, unlink_previous)
 
 
-def create_executor(config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None) -> Executor:
+def merge_rank_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Rank 0's output, reporting the CPU blocks whose checksum failed on any rank: each rank
+    checks only its own shard, and one bad shard spoils the block."""
+    merged = outputs[0]
+    merged.corrupt_cpu_blocks = sorted({c for out in outputs for c in out.corrupt_cpu_blocks})
+    return merged
+
+
+def create_executor(config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None,
+                    previous: Executor | None = None) -> Executor:
     """The executor `distributed_executor_backend` asks for: Ray for `ray`, or `auto` with more
-    than one rank; in process otherwise. `hf_config` spares the workers a second parse."""
+    than one rank; in process otherwise. `hf_config` spares the workers a second parse.
+    `previous`: a failed group this one replaces, shut down first (a Ray group's warm spares
+    are taken over)."""
     backend = config.distributed_executor_backend
     if backend == "ray" or (backend == "auto" and config.tensor_parallel_size > 1):
         from workers.ray_executor import RayExecutor
 
-        return RayExecutor(config, source, max_model_len, hf_config)
+        return RayExecutor(config, source, max_model_len, hf_config, previous)
+    if previous is not None:
+        previous.shutdown()
     from workers.inprocess_executor import InProcessExecutor
 
     return InProcessExecutor(config, source, max_model_len, hf_config)

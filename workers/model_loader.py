@@ -9,6 +9,7 @@ a fault, the next `pagedserve serve`) reads that file instead.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagedserve.config import ModelSource, cache_dir
 from workers.models.llama import LlamaForCausalLM, rope_tables
@@ -35,13 +37,28 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, max_positions: int,
                tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
     """This rank's shard of the model: every rank reads the checkpoint and keeps its slices."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = LlamaForCausalLM(hf_config, max_positions, tp)
     # Buffers (rope tables) are computed, not loaded: build them for real on the target device.
     model = model.to_empty(device=device)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(hf_config, max_positions))
     model.load_weights(_named_tensors(source))
     return model.to(dtype=dtype).eval()
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """Skip the random init of layers whose weights are loaded next: on the meta device it does
+    no work, but torch routes it through its reference ops, whose first use imports
+    torch._dynamo (seconds of a worker's start)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
 
 
 def _named_tensors(source: ModelSource):

@@ -1,7 +1,14 @@
 """RayExecutor: one worker actor per tensor-parallel rank, all in one STRICT_PACK placement group
 (one bundle per rank: a GPU each where there are GPUs, one CPU otherwise),
 joined by a torch.distributed group (gloo on CPU, NCCL on GPU) whose address and port rank 0
-picks at run time. Every step sends the same plan to every rank; rank 0's output has the tokens.
+picks at run time. Every step sends the same plan to every rank; rank 0's output has the tokens,
+and every rank's reports the CPU blocks whose shard failed its checksum on that rank.
+
+Spares (CPU groups): beside each rank waits a spare actor in the same bundle, holding no CPU of
+its own, with its imports done (torch, the model code, transformers' config class: seconds of
+a cold actor's start). After a worker fault the replacement group takes over the placement group
+and the spares (`previous=`), so a rebuild costs a model load and a collective init, not a
+process start; new spares then warm up behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config import EngineConfig, ModelSource
-from workers.executor import Executor, WorkerFailedError
+from workers import fault_hook
+from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.step_plan import StepOutput, StepPlan
 
 PLACEMENT_TIMEOUT_S = 120
@@ -55,6 +63,13 @@ class WorkerActor:
                                     rank=rank, world_size=size)
         self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size), hf_config)
 
+    def warm(self, hf_config) -> None:
+        """A spare's head start: the imports setup needs (`hf_config` arrives unpickled, which
+        imports its transformers class)."""
+        import torch  # noqa: F401
+
+        import workers.worker  # noqa: F401
+
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
         return getattr(self.worker, method)(*args)
@@ -74,41 +89,83 @@ class WorkerActor:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None,
+                 previous: Executor | None = None):
+        """`previous`: the failed group this one replaces; it is shut down first, and its placement
+        group and warm spares are taken over when they are still there."""
         size = config.tensor_parallel_size
         self.step_timeout = config.step_timeout
+        self.placement_group = None
+        self.workers: list = []
+        self._spares: list = []
+        self._spares_warm: list = []  # ObjectRefs of the spares' `warm` calls
+        taken = previous.take_spares() if isinstance(previous, RayExecutor) else None
+        if previous is not None:
+            previous.shutdown()
         if not ray.is_initialized():
             # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
             # logical CPU per rank even where the ranks outnumber the cores.
             ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
         gpu = config.device == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
-        self.workers: list = []
         try:
-            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                raise RuntimeError(
-                    f"tensor_parallel_size={size} needs {size} bundles of {bundle} on one node; the "
-                    f"Ray cluster could not place them in {PLACEMENT_TIMEOUT_S} s "
-                    f"(cluster resources: {ray.cluster_resources()})")
-            self.workers = [
-                WorkerActor.options(
-                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.placement_group, placement_group_bundle_index=rank)).remote()
-                for rank in range(size)]
+            config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
+            if taken is not None:
+                self.placement_group, self.workers = taken
+            else:
+                self.placement_group = self._place(size, bundle)
+                self.workers = [self._actor(rank, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))
+                                for rank in range(size)]
             address = ray.get(self.workers[0].rendezvous_address.remote())
             config_dict = dataclasses.asdict(config)
-            config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
             ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, config_ref)
                      for rank, w in enumerate(self.workers)])
+            if not gpu:  # a spare holds no GPU of its own to start on: CPU groups only
+                self._spares = [self._actor(rank, num_cpus=0) for rank in range(size)]
+                self._spares_warm = [spare.warm.remote(config_ref) for spare in self._spares]
         except ray.exceptions.RayActorError as e:  # a new worker died while it started
             self.shutdown()
             raise WorkerFailedError(f"a worker died while the group started: {e}", cause="death") from e
         except BaseException:
             self.shutdown()
             raise
+
+    @staticmethod
+    def _place(size: int, bundle: dict):
+        group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
+        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"tensor_parallel_size={size} needs {size} bundles of {bundle} on one node; the "
+                f"Ray cluster could not place them in {PLACEMENT_TIMEOUT_S} s "
+                f"(cluster resources: {ray.cluster_resources()})")
+        return group
+
+    def _actor(self, rank: int, num_cpus: float, num_gpus: float = 0):
+        test_env = fault_hook.forwarded_env()
+        return WorkerActor.options(
+            num_cpus=num_cpus, num_gpus=num_gpus,
+            runtime_env={"env_vars": test_env} if test_env else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank)).remote()
+
+    def take_spares(self) -> tuple | None:
+        """(placement group, warm spares) for a replacement group, detached from this one, or
+        None when there are none or one of them died with the fault (a lost node)."""
+        if not self._spares or self.placement_group is None:
+            return None
+        try:
+            ready, _ = ray.wait(self._spares_warm, num_returns=len(self._spares_warm),
+                                timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(ready)
+        except ray.exceptions.RayError:
+            return None
+        if len(ready) < len(self._spares_warm):
+            return None
+        taken = self.placement_group, self._spares
+        self.placement_group, self._spares, self._spares_warm = None, [], []
+        return taken
 
     def collective_rpc(self, method: str, *args) -> list:
         try:
@@ -117,8 +174,9 @@ class RayExecutor(Executor):
             raise WorkerFailedError(f"a worker died in {method}: {e}", cause="death") from e
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Rank 0's output. Results are taken as they come, so that one failed rank is seen at
-        once, not after its peers give up waiting for it in a collective; a step with no result
+        """Rank 0's output, with every rank's corrupt CPU blocks (the other ranks' outputs are
+        otherwise empty: small). Results are taken as they come, so that one failed rank is seen
+        at once, not after its peers give up waiting for it in a collective; a step with no result
         within step_timeout counts as a hang."""
         ref = ray.put(plan) if len(self.workers) > 1 else plan  # serialized once, read by every rank
         refs = [w.call.remote("execute", ref) for w in self.workers]
@@ -131,7 +189,7 @@ class RayExecutor(Executor):
                     raise WorkerFailedError(f"no step result within step_timeout ({self.step_timeout} s): "
                                             "a worker hangs", cause="hang")
                 ray.get(ready[0])  # raises at once for a rank that failed
-            return ray.get(refs[0])
+            return merge_rank_outputs(ray.get(refs))
         except ray.exceptions.RayActorError as e:
             raise WorkerFailedError(f"a worker died during a step: {e}", cause="death") from e
         except ray.exceptions.RayError as e:
@@ -144,10 +202,13 @@ class RayExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 
+    def spare_pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self._spares])
+
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in self.workers + self._spares:
             ray.kill(w)
-        self.workers = []
+        self.workers, self._spares, self._spares_warm = [], [], []
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None

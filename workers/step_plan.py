@@ -2,7 +2,9 @@
 
 Plain data (numpy arrays and lists), so the same object goes to an in-process worker or, pickled,
 to Ray worker actors. Before the forward pass workers execute, in this order, `swap_out`, `copy`,
-then `swap_in` and `load` (the scheduler's ordering contract rests on it).
+then `swap_in` and `load` (the scheduler's ordering contract rests on it). A CPU block read back
+whose checksum fails comes back in `StepOutput.corrupt_cpu_blocks`: the scheduler recomputes the
+sequences that hold it and drops whatever this step computed for them.
 """
 
 from __future__ import annotations
@@ -96,3 +98,6 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch
     swap_seconds: float = 0.0  # of which its swap and CPU-tier transfers took
+    # CPU blocks of swap_in / load whose shard failed its checksum on any rank (executors merge
+    # the ranks'): the device blocks they were copied to hold bad data.
+    corrupt_cpu_blocks: list[int] = field(default_factory=list)

@@ -10,6 +10,7 @@ import torch
 import kernels
 from kvstore.swap_space import open_swap_space
 from pagedserve.config import EngineConfig, ModelSource
+from workers import fault_hook
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model, resolve_dtype
@@ -63,6 +64,7 @@ class Worker:
                             and not config.enforce_eager)
         self._graphs = None
         self.sampler = Sampler(config.seed)
+        self._crash_token = fault_hook.armed_token()  # None unless a test armed the hook
 
     def num_available_blocks(self) -> int:
         """CPU: `kv_cache_memory` bytes. GPU: what `gpu_memory_utilization` leaves after the weights,
@@ -128,9 +130,12 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
+        if self._crash_token is not None:  # armed by tests only: see workers/fault_hook.py
+            fault_hook.crash_if_present(plan.input_ids, self._crash_token)
         transfers = bool(plan.swap_out or plan.swap_in or plan.load)
-        transfer_seconds = self._transfer(plan)
+        transfer_seconds, corrupt = self._transfer(plan)
         output = self._execute(plan)
+        output.corrupt_cpu_blocks = corrupt
         if transfers:  # a GPU's copies ran beside the forward pass: wait for them
             waited = time.perf_counter()
             self.swap_space.finish()
@@ -139,20 +144,27 @@ class Worker:
         output.swap_seconds = transfer_seconds if transfers else 0.0
         return output
 
-    def _transfer(self, plan: StepPlan) -> float:
+    def _transfer(self, plan: StepPlan) -> tuple[float, list[int]]:
         """The step's swaps and CPU-tier transfers, in the order the scheduler relies on: swap-outs
         first (a block they read may be a copy's or a swap-in's destination in the same step: a
         block freed by a swap-out, or a cached block evicted and saved), then the copy-on-write
-        copies, then swap-ins; then the forward pass may run. Returns the seconds they took."""
+        copies, then swap-ins; then the forward pass may run. Returns the seconds they took and
+        the CPU blocks read back whose checksum failed.
+
+        A failed swap-in is harmless here: its sequences run from the next step on, and the
+        coordinator recomputes them first. A failed load is read by this very forward pass; the
+        coordinator then discards what the step computed for the sequences that hold it (their
+        sampled token included), so bad data is never served and the step needs no second pass."""
         start = time.perf_counter()
+        corrupt: list[int] = []
         if plan.swap_out:
             self.swap_space.swap_out(plan.swap_out)
         copy_blocks(self.kv_cache, plan.copy)
         if plan.swap_in:
-            self.swap_space.swap_in(plan.swap_in)
+            corrupt += self.swap_space.swap_in(plan.swap_in)
         if plan.load:
-            self.swap_space.swap_in(plan.load, release=False)
-        return time.perf_counter() - start
+            corrupt += self.swap_space.swap_in(plan.load, release=False)
+        return time.perf_counter() - start, corrupt
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepOutput:

@@ -41,15 +41,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position, from transformers' own rotary module (so every rope_type it
-    knows, llama3 and yarn included, matches it exactly)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """cos/sin for every position, as transformers' rotary module computes them: its own
+    init functions for every scaled rope_type (llama3, yarn, ...), so they match it exactly.
+    Its rope utilities, not its modeling module, whose import costs a worker's start seconds."""
+    rope = config.rope_parameters
+    if rope["rope_type"] == "default":
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = LlamaRotaryEmbedding(config)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, rope.inv_freq.float())
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+    # On the CPU whatever the default device: built under "meta", torch would route arange
+    # through its reference ops, whose first use imports torch._dynamo (seconds).
+    positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+    freqs = torch.outer(positions, inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP face of the engine (FastAPI on uvicorn), beside gRPC, over the same
+ServerState: the same checks, admission, abort, auth and status, and the same Prometheus registry.
+
+Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /tokenize, POST /detokenize (these need the bearer token when the server has a key), and the
+open ones: GET /health (200 serving, else 503), GET /version, GET /metrics. Errors use OpenAI's
+envelope (openai_errors).
+
+uvicorn runs as a task on the caller's event loop (the coordinator actor's, shared with gRPC and
+the engine loop), on a socket bound here so that port 0 works and a taken port is an OSError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import socket
+import ssl
+import tempfile
+import time
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.openai_errors import ApiError, error_body, error_response, param_of, validation_message
+from coordinator.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         TokenizeRequest)
+from coordinator.openai_serving import OpenAIServing
+from coordinator.server_state import ServerState
+
+try:
+    VERSION = importlib.metadata.version("pagedserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0.0.0"
+FINGERPRINT = f"pagedserve-{VERSION}"
+
+
+def build_app(state: ServerState, model_name: str, registry=None) -> FastAPI:
+    """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work)."""
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(e.kind, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, e: RequestValidationError):
+        state.reject("invalid_argument")
+        return error_response("invalid_argument", *validation_message(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        status, kind_type = e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error"
+        error = {"message": str(e.detail), "type": kind_type, "param": None, "code": None}
+        return JSONResponse({"error": error}, status_code=status)
+
+    async def authorized(request: Request) -> None:
+        header = request.headers.get("authorization")
+        why = state.check_auth(header)
+        if why is not None:
+            raise ApiError("unauthenticated", "wrong API key (Authorization: Bearer <key>)" if header else
+                           "missing API key: send the header 'Authorization: Bearer <key>'")
+
+    def engine():
+        if not state.serving:
+            state.reject("unavailable")
+            raise ApiError("unavailable", state.reason)
+        return state.engine
+
+    def check_model(name: str | None) -> None:
+        aliases = {model_name, state.engine.llm_engine.model_name if state.engine is not None else model_name}
+        if name and name not in aliases:
+            state.reject("invalid_argument")
+            raise ApiError("not_found", f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "model")
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health():
+        if not state.serving:
+            return error_response("unavailable", state.reason)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        if registry is None:
+            raise ApiError("not_found", "this server keeps no metrics")
+        body = await asyncio.to_thread(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedserve",
+                "root": model_name, "parent": None}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.llm_engine.input_processor.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(request, body, serving.completions)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(request, body, serving.chat)
+
+    async def generate(request: Request, body, method) -> Response:
+        async_engine = engine()
+        check_model(body.model)
+        try:
+            result = await _unless_disconnected(request, method(async_engine, body))
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the requests were aborted
+        except Exception as e:
+            return await failure(e)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        # After a disconnect Starlette cancels the body and still runs the background task:
+        # closing the chunk stream aborts what still runs.
+        return StreamingResponse(sse(result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(result.aclose))
+
+    async def failure(e: Exception) -> JSONResponse:
+        kind = await state.request_failed(e)
+        return error_response(kind, str(e), param_of(str(e)) if kind == "invalid_argument" else None)
+
+    async def sse(chunks):
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except Exception as e:  # the stream has begun: the failure can only be an event in it
+            kind = await state.request_failed(e)
+            yield f"data: {json.dumps(error_body(kind, str(e)))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest):
+        processor = engine().llm_engine.input_processor
+        check_model(body.model)
+        try:
+            if body.messages is not None:
+                if body.prompt is not None:
+                    raise ValueError("prompt: send prompt or messages, not both")
+                if body.add_special_tokens:
+                    raise ValueError("add_special_tokens applies to a prompt; with messages the chat template "
+                                     "places the special tokens")
+                ids = await asyncio.to_thread(
+                    processor.chat_prompt_ids, [m.as_dict() for m in body.messages],
+                    bool(body.add_generation_prompt), bool(body.continue_final_message))
+            elif body.prompt is not None:
+                add_special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = await asyncio.to_thread(processor.tokenizer.encode, body.prompt, add_special_tokens=add_special)
+            else:
+                raise ValueError("prompt: send prompt or messages")
+        except ValueError as e:
+            return await failure(e)
+        return {"count": len(ids), "max_model_len": processor.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest):
+        processor = engine().llm_engine.input_processor
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < processor.vocab_size]
+        if bad:
+            return await failure(ValueError(f"tokens must lie in [0, {processor.vocab_size}); got {bad[0]}"))
+        return {"prompt": await asyncio.to_thread(processor.tokenizer.decode, body.tokens)}
+
+    return app
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """`await work`, cancelled (and _ClientGone raised) if the client disconnects first: a
+    non-streamed request whose client left is aborted rather than computed for nobody."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on host:port (0: a free port); OSError naming the address."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # no wait after a restart
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port} for HTTP: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _ssl_context(cert: bytes, key: bytes) -> ssl.SSLContext:
+    """The server side of TLS from PEM bytes (the stdlib loads files only: a private temp folder,
+    gone once they are read)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [os.path.join(folder, name) for name in ("cert.pem", "key.pem")]
+        for path, data in zip(paths, (cert, key)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                f.write(data)
+        context.load_cert_chain(*paths)
+    return context
+
+
+class HttpServer:
+    """uvicorn serving `build_app(state, ...)` as a task of the running event loop.
+
+        server = HttpServer(state, "my-model", registry)
+        port = await server.start("127.0.0.1", 0)   # bound; answers 503 until the state serves
+        await server.stop(grace=2)
+    """
+
+    def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None):
+        self.state = state
+        self.app = build_app(state, model_name, registry)
+        self.tls = tls
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        """Bind host:port (0 picks a free one) and serve; returns the bound port."""
+        sock = bind_socket(host, port)
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off")
+        config.load()
+        if self.tls is not None:
+            config.ssl = _ssl_context(*self.tls)
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                self._task.result()  # its error
+                raise OSError(f"the HTTP server on {host}:{port} stopped while starting")
+            await asyncio.sleep(0.005)
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting; open responses get `grace` seconds, then their tasks are cancelled."""
+        if self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task
+        self._task = None

@@ -1,0 +1,238 @@
+"""The request bodies of the OpenAI-compatible HTTP API (OpenAI's fields and vLLM's extras), and
+how one becomes prompts and SamplingParams.
+
+Pydantic checks shapes (types); SamplingParams and the input processor check values, so that
+HTTP refuses what gRPC refuses, with the same messages. An unknown field is refused, and so is a
+known one that this server cannot honour yet (tools, suffix, response_format, ...) unless it holds
+its no-op value: a client must never get an output that silently ignored what it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from coordinator.sampling_params import MAX_LOGPROBS, SamplingParams
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
+
+# Fields that would change the output and are not implemented yet: each is refused unless its
+# value is the no-op one (the test returns True for a harmless value).
+_NOT_SUPPORTED = {
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v == "none",
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
+    "structured_outputs": lambda v: not v,
+    "chat_template": lambda v: not v,
+    "chat_template_kwargs": lambda v: not v,
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: not v,
+    "prediction": lambda v: not v,
+    "reasoning_effort": lambda v: not v,
+    "web_search_options": lambda v: not v,
+}
+
+# Passed to SamplingParams as they are (same name, same meaning) when the client set them.
+_SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+              "repetition_penalty", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
+              "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "length_penalty",
+              "early_stopping", "allowed_token_ids")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(_Body):
+    model: str | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    metadata: dict[str, Any] | None = None  # accepted, unused
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
+    allowed_token_ids: list[int] | None = None
+    priority: int | None = 0
+    prompt_logprobs: int | None = None
+    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        for name in self.model_fields_set & _NOT_SUPPORTED.keys():
+            value = getattr(self, name)
+            if value is not None and not _NOT_SUPPORTED[name](value):
+                raise ValueError(f"{name} is not supported by this server; leave it unset")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
+                         echo_logprobs: bool = False) -> SamplingParams:
+        """ValueError (naming the field and limit) for a bad value."""
+        self.check_supported()
+        kwargs = {name: getattr(self, name) for name in _SAME_NAME if getattr(self, name) is not None}
+        if self.logit_bias:
+            kwargs["logit_bias"] = {_token_id(key): bias for key, bias in self.logit_bias.items()}
+        prompt_logprobs = self.prompt_logprobs
+        if echo_logprobs:  # the echoed prompt carries logprobs as the completion does
+            prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
+        if self.use_beam_search:  # vLLM's reading: best_of (else n) beams, the n best returned
+            kwargs["beam_width"] = best_of or self.n or 1
+        elif best_of is not None:
+            kwargs["best_of"] = best_of
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.best_of,
+                                     echo_logprobs=bool(self.echo) and self.logprobs is not None)
+
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """(text, token ids) per prompt: one is None."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [(prompt, None)]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt[0], str):
+            return [(p, None) for p in prompt]
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        return [(None, list(p)) for p in prompt]
+
+
+class ChatMessage(BaseModel):
+    # Clients send back what they were given (refusal, annotations, ...): extra keys are ignored,
+    # except those that carry tool calls, which this server cannot honour.
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        for key in ("tool_calls", "tool_call_id", "function_call"):
+            if (self.model_extra or {}).get(key):
+                raise ValueError(f"messages: {key} is not supported by this server")
+        message = {"role": self.role, "content": _text_content(self.content)}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # harmless without tools
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None  # accepted, unused
+    service_tier: str | None = None  # accepted, unused
+
+    def sampling_params(self) -> SamplingParams:
+        # Checked here too: SamplingParams' messages would name its own fields (max_tokens, logprobs).
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be an integer >= 1; got {self.max_completion_tokens}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]; got {self.top_logprobs}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def conversation(self) -> list[dict]:
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        return [m.as_dict() for m in self.messages]
+
+    def chat_options(self) -> dict:
+        return {"add_generation_prompt": bool(self.add_generation_prompt),
+                "continue_final_message": bool(self.continue_final_message)}
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _token_id(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids (integers); got {key!r}") from None
+
+
+def _text_content(content) -> str:
+    """A message's content as the chat template takes it: text parts joined, others refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages: content parts of type {part.get('type')!r} are not supported; "
+                             "send text parts")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -1,0 +1,158 @@
+"""From RequestOutputs to OpenAI's shapes: completion and chat choices (whole, or streamed
+deltas), logprobs in each endpoint's format, usage. No I/O.
+
+One HTTP request may hold several engine requests (a list of prompts): prompt i's sample j is
+choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what streaming has sent
+(the echoed prompt, the text offset of the next token, whether it has finished).
+"""
+
+from __future__ import annotations
+
+from coordinator.outputs import CompletionOutput, RequestOutput
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM sends this floor instead
+
+
+def usage(finals: list[RequestOutput]) -> dict:
+    """Token counts over every prompt of one HTTP request (a prompt is counted once, whatever n)."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    cached = sum(out.metrics.num_cached_tokens for out in finals if out.metrics is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _new_logprobs(completion: CompletionOutput) -> list[dict] | None:
+    """The logprobs of the tokens this output added (a streamed delta)."""
+    if completion.logprobs is None:
+        return None
+    return completion.logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: logprob, rank, text}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if step is None else
+            {str(tid): {"logprob": _logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in step.items()} for step in out.prompt_logprobs]
+
+
+class _Choices:
+    """What both endpoints share: choice numbering and which choices have finished."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._done: set[int] = set()
+
+    def index(self, prompt_index: int, completion: CompletionOutput) -> int:
+        return prompt_index * self.n + completion.index
+
+    def _news(self, prompt_index: int, out: RequestOutput):
+        """(choice index, completion, its finish reason if it finished just now) per sample with news."""
+        for c in out.outputs:
+            index = self.index(prompt_index, c)
+            ended = c.finish_reason is not None and index not in self._done
+            if ended:
+                self._done.add(index)
+            if c.delta_text or c.delta_token_ids or ended:
+                yield index, c, (c.finish_reason if ended else None)
+
+
+class CompletionFormat(_Choices):
+    """/v1/completions choices; `logprobs` k (None: none), `echo` the prompt before each choice."""
+
+    def __init__(self, n: int, logprobs: int | None, echo: bool, with_prompt_logprobs: bool, tokenizer):
+        super().__init__(n)
+        self.k = logprobs
+        self.echo = echo
+        self.with_prompt_logprobs = with_prompt_logprobs
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
+
+    def whole(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        return [self._choice(self.index(prompt_index, c), out, c, c.text, c.token_ids, c.logprobs, c.finish_reason)
+                for c in out.outputs]
+
+    def deltas(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        return [self._choice(index, out, c, c.delta_text, c.delta_token_ids, _new_logprobs(c), finish_reason)
+                for index, c, finish_reason in self._news(prompt_index, out)]
+
+    def _choice(self, index: int, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
+                steps: list[dict] | None, finish_reason: str | None) -> dict:
+        first = index not in self._offsets
+        offset = self._offsets.get(index, 0)
+        logprobs = None
+        if self.k is not None:
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if first and self.echo:
+                prompt_steps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                offset = self._append(logprobs, prompt_steps, out.prompt_token_ids, offset)
+            offset = self._append(logprobs, steps or [], token_ids, offset)
+        self._offsets[index] = offset
+        if first and self.echo:
+            text = (out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": c.stop_reason if finish_reason else None}
+        if first and self.with_prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out)
+        return choice
+
+    def _append(self, logprobs: dict, steps: list[dict | None], token_ids: list[int], offset: int) -> int:
+        """OpenAI's legacy format, position by position; returns the offset after them. A step is
+        None for a prompt's first token (nothing predicts it)."""
+        for step, tid in zip(steps, token_ids):
+            if step is None:
+                token, value, top = self.tokenizer.decode([tid]), None, None
+            else:
+                token, value = step[tid].decoded_token, _logprob(step[tid].logprob)
+                top = {}  # top k + the token, by text: of two tokens with one text, the likelier
+                for lp in sorted(step.values(), key=lambda lp: lp.rank):
+                    top.setdefault(lp.decoded_token, _logprob(lp.logprob))
+            logprobs["tokens"].append(token)
+            logprobs["token_logprobs"].append(value)
+            logprobs["top_logprobs"].append(top)
+            logprobs["text_offset"].append(offset)
+            offset += len(token)
+        return offset
+
+
+class ChatFormat(_Choices):
+    """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None."""
+
+    def __init__(self, n: int, logprobs: int | None):
+        super().__init__(n)
+        self.k = logprobs
+
+    def whole(self, out: RequestOutput) -> list[dict]:
+        return [{"index": self.index(0, c), "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._logprobs(c.logprobs, c.token_ids), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason} for c in out.outputs]
+
+    def first_deltas(self, num_choices: int) -> list[dict]:
+        """The role, before any content (as OpenAI streams it)."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_choices)]
+
+    def deltas(self, out: RequestOutput) -> list[dict]:
+        return [{"index": index, "delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
+                 "logprobs": self._logprobs(_new_logprobs(c), c.delta_token_ids), "finish_reason": finish_reason,
+                 "stop_reason": c.stop_reason if finish_reason else None}
+                for index, c, finish_reason in self._news(0, out)]
+
+    def _logprobs(self, steps: list[dict] | None, token_ids: list[int]) -> dict | None:
+        if self.k is None or steps is None:
+            return None
+        return {"content": [self._entry(step, tid) for step, tid in zip(steps, token_ids)]}
+
+    def _entry(self, step: dict, tid: int) -> dict:
+        top = sorted((t for t in step if step[t].rank <= self.k), key=lambda t: step[t].rank)[:self.k]
+        return {**_token(step[tid]), "top_logprobs": [_token(step[t]) for t in top]}
+
+
+def _token(lp) -> dict:
+    return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob), "bytes": list(lp.decoded_token.encode())}

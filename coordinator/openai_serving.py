@@ -1,0 +1,180 @@
+"""The OpenAI endpoints' request path over the AsyncEngine, free of HTTP: a request's prompts
+become engine requests (admitted together or not at all), and their outputs OpenAI's responses
+or stream chunks. The HTTP layer (http_server) only parses bodies and writes bytes.
+
+Admission waits for each engine request's first output, as the gRPC door does: every refusal
+(a bad value, a full queue, a server not serving) is known before the response starts, so it can
+be an HTTP status; once a stream has begun, a failure can only be an error event inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from coordinator.async_engine import AsyncEngine
+from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.openai_responses import ChatFormat, CompletionFormat, prompt_logprobs_json, usage
+from coordinator.outputs import RequestOutput
+from coordinator.sampling_params import SamplingParams
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, one per prompt, with their outputs merged in the
+    order they come. Once admitted, a task per request reads its stream, so that `close()`
+    aborts every request still running at once, without awaiting anything: it works even in a
+    task being cancelled (a client that left). Their blocks are freed before the next step."""
+
+    def __init__(self, streams: list, firsts: list[RequestOutput]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._running = len(streams)
+        self._pumps: list[asyncio.Task] = []
+        for i, (stream, first) in enumerate(zip(streams, firsts)):
+            self._queue.put_nowait((i, first))
+            if not first.finished:
+                self._pumps.append(asyncio.ensure_future(_pump(i, stream, self._queue)))
+
+    @classmethod
+    async def admit(cls, engine: AsyncEngine, prompts: list[tuple], params: SamplingParams, request_id: str,
+                    priority: int, timeout: float | None, chat_options: dict | None = None) -> RequestGroup:
+        """`prompts`: (text, token ids, messages) each. Raises the first refusal (in prompt order)
+        after aborting the others."""
+        if len(prompts) > engine.max_queued_requests:  # could never be admitted: not worth a retry
+            raise ValueError(f"prompt holds {len(prompts)} prompts; at most {engine.max_queued_requests} "
+                             "(the server's max_queued_requests) fit in one request")
+        streams = [engine.generate(text, ids, dataclasses.replace(params), f"{request_id}-{i}", priority,
+                                   messages=messages, timeout=timeout, chat_options=chat_options)
+                   for i, (text, ids, messages) in enumerate(prompts)]
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        except BaseException:  # cancelled (the client left): abort whatever got in
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise
+        error = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if error is not None:
+            for stream in streams:
+                await stream.aclose()
+            raise error
+        return cls(streams, firsts)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) until every request has finished; raises a request's failure."""
+        while self._running:
+            i, out = await self._queue.get()
+            if isinstance(out, BaseException):
+                self._running = 0
+                raise out
+            if out.finished:
+                self._running -= 1
+            yield i, out
+
+    async def finals(self) -> list[RequestOutput]:
+        """Each request's finished output, in prompt order."""
+        finals = {}
+        async for i, out in self.outputs():
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in sorted(finals)]
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()  # the stream it reads aborts its request on the way out
+
+
+async def _pump(i: int, stream, queue: asyncio.Queue) -> None:
+    try:
+        async for out in stream:
+            queue.put_nowait((i, out))
+    except Exception as e:
+        queue.put_nowait((i, e))
+
+
+class OpenAIServing:
+    """Completions and chat over the engine a ServerState holds. Each method returns the whole
+    response (a dict) or, for `stream`, a ChunkStream of chunks (dicts); the caller has
+    checked auth, serving and the model name. ValueError (naming the field) and the engine's
+    refusals are raised before any chunk."""
+
+    def __init__(self, model_name: str, request_timeout: float | None, fingerprint: str):
+        self.model_name = model_name
+        self.request_timeout = request_timeout
+        self.fingerprint = fingerprint
+
+    def _head(self, prefix: str, kind: str) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "system_fingerprint": self.fingerprint}
+
+    async def completions(self, engine: AsyncEngine, req: CompletionRequest) -> dict | ChunkStream:
+        params = req.sampling_params()
+        prompts = [(text, ids, None) for text, ids in req.prompts()]
+        head = self._head("cmpl", "text_completion")
+        group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout)
+        fmt = CompletionFormat(params.n, params.logprobs, bool(req.echo), req.prompt_logprobs is not None,
+                               engine.llm_engine.tokenizer)
+        if req.stream:
+            return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(i, out), req.include_usage))
+        try:
+            finals = await group.finals()
+        finally:
+            group.close()
+        choices = [choice for i, out in enumerate(finals) for choice in fmt.whole(i, out)]
+        return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(finals)}
+
+    async def chat(self, engine: AsyncEngine, req: ChatCompletionRequest) -> dict | ChunkStream:
+        params = req.sampling_params()
+        prompts = [(None, None, req.conversation())]
+        head = self._head("chatcmpl", "chat.completion")
+        group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
+                                         self.request_timeout, req.chat_options())
+        fmt = ChatFormat(params.n, params.logprobs)
+        if req.stream:
+            head["object"] = "chat.completion.chunk"
+            return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,
+                                              first=fmt.first_deltas(params.n)))
+        try:
+            (final,) = await group.finals()
+        finally:
+            group.close()
+        response = {**head, "choices": fmt.whole(final), "usage": usage([final])}
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(final)
+        return response
+
+
+class ChunkStream:
+    """The chunks of a streamed response. `aclose()` aborts what still runs, whether iteration
+    began or not (closing a generator that never started runs none of its code)."""
+
+    def __init__(self, group: RequestGroup, chunks: AsyncIterator[dict]):
+        self._group, self._chunks = group, chunks
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        self._group.close()
+        await self._chunks.aclose()
+
+
+async def _chunks(group: RequestGroup, head: dict, deltas, include_usage: bool,
+                  first: list[dict] | None = None) -> AsyncIterator[dict]:
+    """Chunks as outputs come; with include_usage every chunk has `usage: null` and a last one
+    (no choices) carries the totals."""
+    extra = {"usage": None} if include_usage else {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        if first:
+            yield {**head, "choices": first, **extra}
+        async for i, out in group.outputs():
+            if out.finished:
+                finals[i] = out
+            choices = deltas(i, out)
+            if choices:
+                yield {**head, "choices": choices, **extra}
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])}
+    finally:
+        group.close()
