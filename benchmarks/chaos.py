@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+import psutil  # noqa: E402
+
 import offline_throughput as workload  # noqa: E402  (the same workload and stopwatch)
 import serving_throughput as serving  # noqa: E402  (the same server flags)
 import pagedserve  # noqa: E402
@@ -55,14 +57,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return workload.check_workload_args(p, p.parse_args(argv))
 
 
-def serving_worker_pids() -> list[int]:
+def gcs_address(server_pid: int) -> str:
+    """The address of the server's own Ray cluster (other clusters may run on this machine):
+    from its gcs_server process's command line."""
+    for proc in psutil.Process(server_pid).children(recursive=True):
+        try:
+            args = proc.cmdline()
+        except psutil.Error:
+            continue
+        if args and "gcs_server" in args[0]:
+            pairs = (a[2:].split("=", 1) for a in args[1:] if a.startswith("--") and "=" in a)
+            flags = {key.replace("-", "_"): value for key, value in pairs}
+            # The port is picked at start and written into the session folder.
+            port_file = next(Path(flags["log_dir"]).parent.glob("gcs_server_port_*"))
+            return f"{flags['node_ip_address']}:{port_file.read_text().strip()}"
+    raise RuntimeError("the server's gcs_server process was not found")
+
+
+def serving_worker_pids(server_pid: int) -> list[int]:
     """The ranks of the server's worker group, from its coordinator actor (spares excluded)."""
     import ray
 
     from coordinator.actor import ACTOR_NAME, NAMESPACE
 
-    if not ray.is_initialized():  # the server's own local cluster, as `pagedserve status` finds it
-        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    if not ray.is_initialized():
+        from pagedserve.serve_command import _ray_token_auth_env
+
+        address = gcs_address(server_pid)
+        _ray_token_auth_env(address)  # the cluster's token, as `pagedserve status` sends it
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     return ray.get(ray.get_actor(ACTOR_NAME).worker_pids.remote(), timeout=30)
 
 
@@ -81,7 +104,7 @@ async def stream_one(client, request, gaps: list[float]) -> list[int]:
 async def send_all(target: str, requests, concurrency: int) -> tuple[list, list[float]]:
     """Every request through at most `concurrency` open streams; a failed stream's entry is its
     exception."""
-    client = pagedserve.AsyncClient(target, timeout=600)
+    client = pagedserve.AsyncClient(target, timeout=3600)
     gaps: list[float] = []
     gate = asyncio.Semaphore(concurrency)
 
@@ -98,7 +121,8 @@ async def send_all(target: str, requests, concurrency: int) -> tuple[list, list[
         await client.close()
 
 
-async def kill_workers(target: str, every: float, stop: asyncio.Event, faults: list[dict], rng) -> None:
+async def kill_workers(target: str, server_pid: int, every: float, stop: asyncio.Event, faults: list[dict],
+                       rng) -> None:
     """Every `every` seconds of serving, SIGKILL a random rank and time, by polling health, the
     detection (NOT_SERVING) and the recovery (SERVING again); the next kill waits `every` from
     there, so each fault meets a running group."""
@@ -109,7 +133,7 @@ async def kill_workers(target: str, every: float, stop: asyncio.Event, faults: l
                 return
             except TimeoutError:
                 pass
-            pid = rng.choice(await asyncio.to_thread(serving_worker_pids))
+            pid = rng.choice(await asyncio.to_thread(serving_worker_pids, server_pid))
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             fault = {"detected_s": None, "recovered_s": None}
@@ -127,9 +151,10 @@ async def kill_workers(target: str, every: float, stop: asyncio.Event, faults: l
                 await asyncio.sleep(0.02)
 
 
-async def chaos_run(target: str, requests, args) -> tuple[list, list[float], list[dict]]:
+async def chaos_run(target: str, server_pid: int, requests, args) -> tuple[list, list[float], list[dict]]:
     stop, faults = asyncio.Event(), []
-    killer = asyncio.create_task(kill_workers(target, args.kill_every, stop, faults, random.Random(args.seed)))
+    killer = asyncio.create_task(kill_workers(target, server_pid, args.kill_every, stop, faults,
+                                              random.Random(args.seed)))
     try:
         outputs, gaps = await send_all(target, requests, args.concurrency)
     finally:
@@ -175,7 +200,7 @@ def main(argv=None) -> None:
         with pagedserve.Client(server.target, timeout=30) as client:
             before = client.stats()
         with workload.Stopwatch() as chaos_watch:
-            stormy, gaps, faults = loop.run_until_complete(chaos_run(server.target, requests, args))
+            stormy, gaps, faults = loop.run_until_complete(chaos_run(server.target, server.process.pid, requests, args))
         loop.close()
         with pagedserve.Client(server.target, timeout=60) as client:
             deadline = time.monotonic() + 60

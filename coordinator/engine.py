@@ -16,8 +16,9 @@ the coordinator holds, so its stream goes on with nothing repeated or missing. T
 outlives the group: swapped groups swap back in and the CPU prefix tier stays (less what the
 failed step was writing). More than max_worker_restarts within restart_window re-raises: the
 engine fails for good. A poison request, in the batch of two consecutive faulted steps, is ended
-with an error (finish reason "poison") so that the others resume; after a fault the suspects are
-admitted one request per step, so that a second fault names one of them.
+with an error (finish reason "poison") so that the others resume; requests that shared both
+faulted batches are first run one per step, so that the next fault names one of them
+(scheduler.POISON_FAULTS).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from coordinator.metrics import EngineMetrics
 from coordinator.output_processor import OutputProcessor
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
-from coordinator.scheduler import POISON_FAULTS, Scheduler
+from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceStatus
 from coordinator.stats import IterationStats, SchedulerStats, engine_stats, scheduler_stats
 from kvstore.store import StoreHandle
@@ -78,7 +79,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.preemption_mode, model.eos_token_ids, self.max_model_len)
         self.core = EngineCore(self.scheduler, executor, config.block_size)
-        self.input_processor = InputProcessor(tokenizer, model.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(tokenizer, model.vocab_size, self.max_model_len, model.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics()
         self.scheduler_stats: SchedulerStats = scheduler_stats(self.scheduler)
@@ -148,7 +149,11 @@ class LLMEngine:
         another thread first)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:  # compiled by `process`: copied, not compiled, here
+            grammar = self.input_processor.grammars.start(params.structured_outputs)
         group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority)
+        group.first.grammar = grammar
         self.output_processor.add_request(group, prompt)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
@@ -221,8 +226,8 @@ class LLMEngine:
         return [out for out in poisoned if out is not None]
 
     def _end_poison_request(self, request_id: str, stats: IterationStats) -> RequestOutput | None:
-        message = (f"request {request_id!r} was in the batch of {POISON_FAULTS} consecutive steps that "
-                   "crashed a worker; it was ended so that the other requests could resume")
+        message = (f"request {request_id!r} was in the batch of {self.scheduler.fault_suspects[request_id]} "
+                   "consecutive steps that crashed a worker; it was ended so that the other requests could resume")
         log.error("%s", message)
         self.scheduler.abort_request(request_id)
         out = self.output_processor.abort_request(request_id, stats, "poison")

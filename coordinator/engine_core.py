@@ -46,6 +46,5 @@ class EngineCore:
         stats.worker_seconds = output.worker_seconds
         stats.swap_seconds = output.swap_seconds
         updates = scheduler.update_from_output(out, output, stats)
-        scheduler.clear_fault_suspects(out)
         stats.alloc_latencies_ns = scheduler.kv.pool.take_latency_samples()
         return updates

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.async_engine import (AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError,
                                      RequestFailedError)
-from coordinator.sampling_params import SamplingParams
+from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
 from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -50,7 +50,21 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
                           frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias) or None,
                           allowed_token_ids=list(msg.allowed_token_ids) or None,
                           include_stop_str_in_output=msg.include_stop_str_in_output,
-                          use_beam_search=msg.use_beam_search, early_stopping=early, **kwargs)
+                          use_beam_search=msg.use_beam_search, early_stopping=early,
+                          structured_outputs=_structured_from_proto(msg), **kwargs)
+
+
+def _structured_from_proto(msg: serving_pb2.SamplingParams) -> StructuredOutputsParams | None:
+    kind = msg.WhichOneof("structured_output")
+    if kind is None:
+        if msg.disable_any_whitespace:
+            raise ValueError("disable_any_whitespace needs a structured output (json_schema or json_object)")
+        return None
+    value = getattr(msg, kind)
+    field = {"json_schema": "json"}.get(kind, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    return StructuredOutputsParams(**{field: value}, disable_any_whitespace=msg.disable_any_whitespace)
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):

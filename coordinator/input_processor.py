@@ -4,7 +4,9 @@ and every check a request can fail.
 One instance is shared by every front door (gRPC, the offline `LLM`, HTTP, the router), so
 that they refuse the same inputs with the same messages. It changes nothing and holds no
 per-request state, so a server calls it in a thread beside a running step (tokenizing a long
-prompt takes milliseconds: never on an event loop). Torch-free.
+prompt takes milliseconds: never on an event loop). Structured outputs' grammars compile here too
+(milliseconds to a second; cached by their text), so an invalid schema is refused like any bad
+field and the engine loop only copies compiled matchers. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import operator
 
 from coordinator.sampling_params import SamplingParams
+from coordinator.structured_output import GrammarCompiler
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
     @property
     def has_chat_template(self) -> bool:
@@ -77,4 +81,6 @@ class InputProcessor:
             prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
         params.check_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # kept on it for the engine loop
         return prompt_token_ids

@@ -3,8 +3,9 @@ how one becomes prompts and SamplingParams.
 
 Pydantic checks shapes (types); SamplingParams and the input processor check values, so that
 HTTP refuses what gRPC refuses, with the same messages. An unknown field is refused, and so is a
-known one that this server cannot honour yet (tools, suffix, response_format, ...) unless it holds
-its no-op value: a client must never get an output that silently ignored what it asked for.
+known one that this server cannot honour yet (tools, suffix, ...) unless it holds its no-op value:
+a client must never get an output that silently ignored what it asked for. Structured outputs
+come as OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from coordinator.sampling_params import MAX_LOGPROBS, SamplingParams
+from coordinator.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
 
@@ -25,8 +26,6 @@ _NOT_SUPPORTED = {
     "functions": lambda v: not v,
     "tool_choice": lambda v: v == "none",
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
-    "structured_outputs": lambda v: not v,
     "chat_template": lambda v: not v,
     "chat_template_kwargs": lambda v: not v,
     "modalities": lambda v: v == ["text"],
@@ -81,7 +80,8 @@ class _GenerationRequest(_Body):
     allowed_token_ids: list[int] | None = None
     priority: int | None = 0
     prompt_logprobs: int | None = None
-    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
+    # Structured outputs: OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, or vLLM's
+    # {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (see structured_outputs_params)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -111,7 +111,35 @@ class _GenerationRequest(_Body):
             kwargs["beam_width"] = best_of or self.n or 1
         elif best_of is not None:
             kwargs["best_of"] = best_of
+        kwargs["structured_outputs"] = self.structured_outputs_params()
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`response_format` or `structured_outputs` (one of them), checked for shape; ValueError
+        naming the field. The grammar compiles at admission (a bad schema is a 400 there too)."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type", "text") != "text" and vllm:
+            raise ValueError("response_format and structured_outputs cannot both be set; send one")
+        if vllm:
+            known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+            unknown = sorted(set(vllm) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs.{unknown[0]} is not supported by this server; "
+                                 f"send one of {', '.join(sorted(known))}")
+            return StructuredOutputsParams(**vllm)
+        if fmt is None:
+            return None
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind != "json_schema":
+            raise ValueError(f"response_format.type must be text, json_object or json_schema; got {kind!r}")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema.schema is required: the JSON schema, an object")
+        return StructuredOutputsParams(json=spec["schema"])
 
 
 class CompletionRequest(_GenerationRequest):
@@ -121,8 +149,19 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     suffix: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs) alone, as vLLM and OpenAI's legacy
+        API score a text. The engine still generates one token; serving drops it."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be an integer >= 1 (0 only with echo=true: the prompt's logprobs "
+                             "without a completion); got 0")
         max_tokens = COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.echo_only:
+            max_tokens = 1
         return self._sampling_params(max_tokens, self.logprobs, self.best_of,
                                      echo_logprobs=bool(self.echo) and self.logprobs is not None)
 

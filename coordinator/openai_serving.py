@@ -29,6 +29,7 @@ class RequestGroup:
     task being cancelled (a client that left). Their blocks are freed before the next step."""
 
     def __init__(self, streams: list, firsts: list[RequestOutput]):
+        self.echo_only = False  # set: outputs show the prompt alone (max_tokens 0 with echo)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._running = len(streams)
         self._pumps: list[asyncio.Task] = []
@@ -69,7 +70,7 @@ class RequestGroup:
                 raise out
             if out.finished:
                 self._running -= 1
-            yield i, out
+            yield i, (_without_completion(out) if self.echo_only else out)
 
     async def finals(self) -> list[RequestOutput]:
         """Each request's finished output, in prompt order."""
@@ -82,6 +83,15 @@ class RequestGroup:
     def close(self) -> None:
         for pump in self._pumps:
             pump.cancel()  # the stream it reads aborts its request on the way out
+
+
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """`out` as if nothing had been generated: the engine's one token dropped from every sample."""
+    samples = [dataclasses.replace(c, text="", token_ids=[], finish_reason="length" if c.finished() else None,
+                                   stop_reason=None, cumulative_logprob=None,
+                                   logprobs=None if c.logprobs is None else [], delta_text="", delta_token_ids=[])
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=samples, delta_text="", delta_token_ids=[])
 
 
 async def _pump(i: int, stream, queue: asyncio.Queue) -> None:
@@ -112,6 +122,7 @@ class OpenAIServing:
         prompts = [(text, ids, None) for text, ids in req.prompts()]
         head = self._head("cmpl", "text_completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout)
+        group.echo_only = req.echo_only
         fmt = CompletionFormat(params.n, params.logprobs, bool(req.echo), req.prompt_logprobs is not None,
                                engine.llm_engine.tokenizer)
         if req.stream:

@@ -7,6 +7,7 @@ import numpy as np
 from coordinator.beam_search import candidates_per_beam
 from coordinator.scheduler import SchedulerOutput
 from coordinator.sequence import Sequence
+from coordinator.structured_output import fill_bitmasks
 from workers.step_plan import PromptLogprobsRequest, SeqSampling, StepPlan
 
 
@@ -57,6 +58,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     sample_indices = []
     sampling = []
+    grammars = []  # of the sequences that sample under a structured output, one mask row each
     prompt_logprobs = []
     t = 0
     for i, (seq, n) in enumerate(scheduled):
@@ -82,10 +84,16 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         if end == seq.num_tokens:
             sample_indices.append(i)
             sampling.append(sampling_for(seq, eos_token_ids))
-            # Parallel samples: the same logits row, once more per fork (sample index j).
+            mask_row = -1
+            if seq.grammar is not None:
+                mask_row = sampling[-1].bitmask_index = len(grammars)
+                grammars.append(seq.grammar)
+            # Parallel samples: the same logits row, once more per fork (sample index j); a fork's
+            # first token has its parent's mask (its matcher is copied from the parent's after).
             for j, fork_id in enumerate(seq.fork_ids, start=1):
                 sample_indices.append(i)
                 sampling.append(sampling_for(seq, eos_token_ids, fork_id, j))
+                sampling[-1].bitmask_index = mask_row
         t += n
     return StepPlan(
         seq_ids=[seq.seq_id for seq, _ in scheduled],
@@ -93,4 +101,5 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         block_tables=block_tables, slot_mapping=slot_mapping,
         sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
         copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
-        finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs)
+        finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs,
+        token_bitmask=fill_bitmasks(grammars) if grammars else None)

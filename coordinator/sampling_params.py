@@ -2,10 +2,89 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json as _json
+from dataclasses import dataclass, field
 
 MAX_BEST_OF = 64
 MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's names): exactly one of `json` (a JSON schema, as a dict or its
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or GBNF) or
+    `json_object=True` (any JSON object); `disable_any_whitespace` keeps JSON compact. Checked
+    for shape here; the grammar itself is compiled, and refused if invalid or unsupported, when
+    the request is admitted (by the input processor)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON only: no whitespace between tokens beyond the one separator form (vLLM's name).
+    disable_any_whitespace: bool = False
+    # The engine's compiled grammar, kept by the input processor for the engine loop to start
+    # matchers from (never pickled or copied: it belongs to one engine's tokenizer).
+    _compiled: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                             f"got {', '.join(kinds) or 'none'}")
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = _json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object); "
+                                 f"got {type(value).__name__}")
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError(f"structured_outputs.json_object must be a bool; got {value!r}")
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings; "
+                                 f"got {value!r:.80}")
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string; got {value!r:.80}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool; "
+                             f"got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, text, disable_any_whitespace): what a compiled grammar is cached by."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json" and not isinstance(value, str):
+            value = _json.dumps(value, sort_keys=True)
+        elif kind == "choice":
+            value = _json.dumps(value)
+        elif kind == "json_object":
+            value = ""
+        return kind, value, self.disable_any_whitespace
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in (*_STRUCTURED_KINDS, "disable_any_whitespace")}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._compiled = None
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(slots=True)
@@ -48,6 +127,7 @@ class SamplingParams:
     beam_width: int = 4
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +140,12 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {*_STRUCTURED_KINDS, "disable_any_whitespace"}
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {sorted(unknown)[0]!r}; its fields are "
+                                 f"{', '.join(_STRUCTURED_KINDS)}, disable_any_whitespace")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -119,6 +205,9 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (leave it unset to allow every token)")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields); "
+                             f"got {type(self.structured_outputs).__name__}")
 
     def _validate_beam_search(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)
@@ -134,7 +223,7 @@ class SamplingParams:
         # What beam search here does not combine with yet: refused, never silently ignored.
         for name, off in (("best_of", self.n), ("stop", []), ("logprobs", None), ("min_tokens", 0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("logit_bias", None), ("allowed_token_ids", None)):
+                          ("logit_bias", None), ("allowed_token_ids", None), ("structured_outputs", None)):
             if getattr(self, name) != off:
                 raise ValueError(f"{name} is not supported with use_beam_search; leave it at {off!r}")
 

@@ -23,9 +23,10 @@ cache) the whole context. A step that preempts admits nothing and swaps nothing 
 
 After the workers ran a step, `update_from_output` does the scheduler's own bookkeeping, as vLLM's
 does: computed tokens advance, full blocks enter the prefix cache, sampled tokens are appended,
-a request's samples fork off its first sequence, beam searches advance, and a sequence that hit a
-token-level stop (EOS, a stop token id, max_tokens, max_model_len) is finished and its blocks
-freed at once. Stop strings need text: the output processor finds them and calls `finish`.
+a request's samples fork off its first sequence, beam searches advance, structured outputs'
+matchers advance (coordinator/structured_output.py), and a sequence that hit a token-level stop
+(EOS, a stop token id, max_tokens, max_model_len, a complete structured output) is finished and
+its blocks freed at once. Stop strings need text: the output processor finds them and calls `finish`.
 
 Workers run a step's transfers in a fixed order: swap-outs (preempted groups, CPU prefix-tier
 saves of evicted blocks), then copy-on-write copies, then swap-ins (swapped groups coming back,
@@ -76,7 +77,9 @@ PRIORITY_AGING_STEPS = 64
 # every victim with a computed token swaps; one with none has nothing to swap and recomputes.
 AUTO_SWAP_MIN_TOKENS = 1
 # A request in the batch of this many consecutive faulted steps (no step with it succeeded in
-# between) is a poison request: it is ended so that the others can resume.
+# between), the only such request of its batch, is a poison request: it is ended so that the
+# others can resume. Where several share that count they are run one per step (isolated), so
+# that the next fault names one; innocents are never ended for sharing a batch with a poison.
 POISON_FAULTS = 2
 
 
@@ -109,8 +112,7 @@ class Scheduler:
         # Groups swapped out together (a request's running samples or beams), oldest first.
         self.swapped: deque[list[Sequence]] = deque()
         self.num_preemptions = 0
-        # request id -> consecutive faulted steps it was in the batch of. After a fault, suspects
-        # are admitted one request per step, so that a second fault points at one of them.
+        # request id -> consecutive faulted steps it was in the batch of (see POISON_FAULTS).
         self.fault_suspects: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -231,10 +233,11 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, output: StepOutput, stats: IterationStats
                            ) -> list[GroupUpdate]:
-        """The workers ran `out`: advance each sequence, append its sampled token, fork, advance
-        beams, finish what stopped (see the module docstring). Returns each touched request's
+        """The workers ran `out`: clear its batch of earlier faults, advance each sequence, append
+        its sampled token, fork, advance beams, finish what stopped (see the module docstring). Returns each touched request's
         update, for the output processor; token timings and counts go to `stats`. Sequences that
         read a CPU block whose checksum failed recompute instead (`_recompute_corrupt`)."""
+        self.clear_fault_suspects(out)
         corrupt = output.corrupt_cpu_blocks
         discarded = self._recompute_corrupt(out, corrupt, stats) if corrupt else set()
         sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
@@ -271,6 +274,8 @@ class Scheduler:
                 stats.num_generation_tokens += 1
                 update.new_tokens.append(NewToken(s, token, logprobs.get(s.seq_id)))
                 status = check_stop(s, token, self.eos_token_ids, self.max_model_len)
+                if status is None and s.grammar is not None and s.grammar.accept(token):
+                    status = SequenceStatus.FINISHED_STOPPED  # its structured output is complete
                 if status is not None:
                     self.finish(s, status)
         for update in updates.values():
@@ -329,6 +334,8 @@ class Scheduler:
         child.first_scheduled_time, child.first_token_time = parent.first_scheduled_time, parent.first_token_time
         child.last_token_time = parent.last_token_time
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        if parent.grammar is not None:  # each sample its own matcher, in the parent's state
+            child.grammar = parent.grammar.copy()
         if parent.status == SequenceStatus.RUNNING:
             self.kv.fork(parent, child)
             self.add_running(child)
@@ -349,13 +356,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
-        suspect = None  # the one fault suspect this step may admit (with its other samples)
+        isolated = None  # the one twice-faulted request this step may admit (all its samples)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
-            if seq.request_id in self.fault_suspects:
-                if suspect not in (None, seq.request_id):
+            if self.fault_suspects.get(seq.request_id, 0) >= POISON_FAULTS:
+                if isolated not in (None, seq.request_id):
                     break
-                suspect = seq.request_id
+                isolated = seq.request_id
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
             computed, loaded = [], []
             if seq.params.prompt_logprobs is None:
@@ -410,14 +417,15 @@ class Scheduler:
 
     def record_fault(self, failed: SchedulerOutput | None) -> list[str]:
         """A worker fault ended step `failed`: every request in its batch is a suspect once more.
-        Returns the requests now in POISON_FAULTS consecutive faulted batches, for the caller to
-        end."""
+        Returns the poison request, for the caller to end: the only one of the batch now in
+        POISON_FAULTS consecutive faulted batches (several: they are isolated instead)."""
         if failed is None:
             return []
         batch = {seq.request_id for seq, _ in failed.scheduled}
         for request_id in batch:
             self.fault_suspects[request_id] = self.fault_suspects.get(request_id, 0) + 1
-        return sorted(r for r in batch if self.fault_suspects[r] >= POISON_FAULTS)
+        hot = [r for r in batch if self.fault_suspects[r] >= POISON_FAULTS]
+        return hot if len(hot) == 1 else []
 
     def clear_fault_suspects(self, out: SchedulerOutput) -> None:
         """Step `out` ran: the requests in its batch are cleared of any earlier fault."""

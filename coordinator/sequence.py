@@ -37,7 +37,7 @@ class Sequence:
                  "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
                  "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table", "last_token_time",
-                 "sample_index")
+                 "sample_index", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
@@ -63,6 +63,8 @@ class Sequence:
         self.priority = 0  # lower runs first under the priority scheduling policy
         self.cpu_block_table: list[int] = []  # while swapped out: its blocks in the CPU KV store
         self.sample_index = 0  # j of a request's n samples: it draws with seed + j
+        # Its structured output's matcher (structured_output.SequenceGrammar), if it has one.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """pagedserve: LLM serving with a paged KV cache.
 
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
 Names are imported on first use, so that the leaf modules every part shares (`pagedserve.config`,
 `pagedserve.v1`) can be imported without pulling in the engine.
@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "LLM": "pagedserve.llm",
     "SamplingParams": "coordinator.sampling_params",
+    "StructuredOutputsParams": "coordinator.sampling_params",
     "EngineConfig": "pagedserve.config",
     "RequestOutput": "coordinator.outputs",
     "CompletionOutput": "coordinator.outputs",

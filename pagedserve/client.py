@@ -7,10 +7,13 @@
 A prompt is a string, a list of token ids, or a list of chat messages
 (`{"role": ..., "content": ...}`, rendered by the server's chat template). Keyword arguments are
 the fields of SamplingParams. Errors raise ServingError with the gRPC `.code` and `.details`.
+A structured output is one keyword: `client.generate(prompt, json_schema={...})`, `regex=...`,
+`choice=[...]`, `grammar=...` (Lark) or `json_object=True`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -54,10 +57,21 @@ class Completion:
 
 # Keyword arguments that belong to the request rather than to its SamplingParams.
 _REQUEST_FIELDS = ("priority",)
+# The members of SamplingParams' structured_output oneof.
+_STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
 
 def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    """`sampling`: SamplingParams' fields, and one structured output at most: `json_schema` (a dict
+    or its JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark) or `json_object=True`."""
     extra = {name: sampling.pop(name) for name in _REQUEST_FIELDS if name in sampling}
+    structured = [name for name in _STRUCTURED_FIELDS if sampling.get(name) not in (None, False)]
+    if len(structured) > 1:
+        raise ValueError(f"set one structured output at most; got {', '.join(structured)}")
+    if isinstance(sampling.get("json_schema"), dict):
+        sampling["json_schema"] = json.dumps(sampling["json_schema"])
+    if sampling.get("choice") is not None:
+        sampling["choice"] = pb.Choices(choices=list(sampling["choice"]))
     params = pb.SamplingParams(**sampling)
     if isinstance(prompt, str):
         return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id, **extra)
@@ -215,3 +229,9 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

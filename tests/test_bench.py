@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
+import ray
 
-from pagedserve.bench.dataset import draw_length, load_jsonl, parse_range, synthetic
+from pagedserve.bench.dataset import as_chat, draw_length, load_jsonl, parse_range, synthetic
 from pagedserve.bench.runner import RequestResult, arrival_times
 from pagedserve.cli import main
 from pagedserve.config import EngineConfig
@@ -81,10 +83,17 @@ def test_inter_token_latency_spreads_a_chunks_gap_over_its_tokens():
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_llama):
+def doors(ray_session, tiny_llama):
+    """One server, both doors: gRPC at `target`, the OpenAI-compatible API at `base_url`."""
     config = EngineConfig(model=tiny_llama, distributed_executor_backend="ray", kv_cache_memory=1 << 22)
-    with running_coordinator(config) as (_, target):
-        yield target
+    with running_coordinator(config) as (actor, target):
+        port = ray.get(actor.status.remote())["http_port"]
+        yield SimpleNamespace(target=target, base_url=f"http://127.0.0.1:{port}/v1")
+
+
+@pytest.fixture(scope="module")
+def server(doors):
+    return doors.target
 
 
 def test_bench_against_a_running_server_writes_the_table_json_and_plots(server, tiny_llama, tmp_path, capsys):
@@ -117,6 +126,46 @@ def test_bench_against_a_running_server_writes_the_table_json_and_plots(server, 
     assert json.loads(out_json.read_text())["summary"]["peak_kv_usage_engine"] is None
 
 
+def test_bench_openai_backend_drives_completions_and_chat_over_http(doors, tiny_llama, tmp_path, capsys):
+    """The gRPC run's workload through the HTTP door: the same prompt tokens, exactly max_tokens
+    each, greedy texts equal transformers'; through chat, the prompts as user messages; stats over
+    gRPC when it answers, left out when it does not."""
+    common = ["bench", "--model", tiny_llama, "--num-prompts", "6", "--input-len", "8:24", "--output-len", "3:8",
+              "--max-concurrency", "3", "--no-progress"]
+    grpc_json, http_json, chat_json = tmp_path / "grpc.json", tmp_path / "http.json", tmp_path / "chat.json"
+    assert main(common + ["--target", doors.target, "--result-json", str(grpc_json)]) == 0
+    assert main(common + ["--target", doors.target, "--backend", "openai", "--base-url", doors.base_url,
+                          "--baseline", "transformers", "--baseline-batch-size", "3",
+                          "--result-json", str(http_json)]) == 0
+    table = capsys.readouterr().out
+    assert f"openai completions {doors.base_url}" in table and "identical greedy outputs             6 of 6" in table
+    over_grpc, over_http = json.loads(grpc_json.read_text()), json.loads(http_json.read_text())
+    assert over_http["summary"]["completed"] == 6 and over_http["summary"]["server_stats"]
+    assert [(r["prompt_len"], r["output_len"]) for r in over_http["requests"]] == \
+        [(r["prompt_len"], r["max_tokens"]) for r in over_grpc["requests"]]
+    assert over_http["summary"]["itl_ms"]["p50"] > 0 and over_http["timeline"]
+
+    assert main(common + ["--target", "127.0.0.1:1", "--backend", "openai", "--endpoint", "chat",
+                          "--base-url", doors.base_url, "--result-json", str(chat_json)]) == 0
+    out = capsys.readouterr()
+    assert "no server stats (gRPC 127.0.0.1:1" in out.err and "openai chat" in out.out
+    assert "prefix cache hit rate" not in out.out  # no stats: not shown as zeros
+    chat = json.loads(chat_json.read_text())
+    assert chat["summary"]["completed"] == 6 and not chat["timeline"]
+    for r, plain in zip(chat["requests"], over_grpc["requests"]):
+        assert r["output_len"] == r["max_tokens"] == plain["max_tokens"]
+        assert r["prompt_len"] > plain["prompt_len"]  # the chat template's tokens around the text
+
+
+def test_a_chat_workload_carries_messages_and_their_templated_tokens(tokenizer):
+    plain = synthetic(tokenizer, 3, (8, 16), (2, 4), seed=5)
+    for r, chat in zip(plain, as_chat(plain, tokenizer)):
+        assert chat.messages == [{"role": "user", "content": tokenizer.decode(r.prompt_ids)}]
+        assert chat.prompt_ids == list(tokenizer.apply_chat_template(chat.messages, tokenize=True,
+                                                                     add_generation_prompt=True, return_dict=False))
+        assert chat.max_tokens == r.max_tokens
+
+
 def test_bench_refuses_bad_flags_naming_them(tiny_llama, capsys):
     assert main(["bench", "--model", tiny_llama, "--input-len", "0:5"]) == 2
     assert "--input-len must be" in capsys.readouterr().err
@@ -125,6 +174,9 @@ def test_bench_refuses_bad_flags_naming_them(tiny_llama, capsys):
     assert main(["bench", "--model", tiny_llama, "--target", "127.0.0.1:1", "--num-prompts", "1",
                  "--no-progress"]) == 1
     assert "error" in capsys.readouterr().err
+    assert main(["bench", "--model", tiny_llama, "--backend", "openai", "--base-url", "http://127.0.0.1:1/v1",
+                 "--target", "127.0.0.1:1", "--num-prompts", "1", "--no-progress"]) == 1
+    assert "pagedserve: error: " in capsys.readouterr().err
 
 
 def test_bench_embedded_with_the_transformers_baseline(tiny_llama, tmp_path, capsys):

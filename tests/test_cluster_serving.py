@@ -158,7 +158,8 @@ def test_past_its_restart_budget_a_killed_worker_fails_the_server_cleanly(ray_se
 def test_a_poison_request_ends_with_internal_naming_it_while_another_stream_carries_on(
         ray_session, tiny_llama, offline):
     """Workers armed to crash on a token (tests only): the request holding it gets INTERNAL with
-    its id after two faulted steps; a stream in flight beside it ends with the fault-free tokens."""
+    its id (two faulted steps beside the stream, a third alone); a stream in flight beside it ends
+    with the fault-free tokens."""
     prompt = list(range(100, 140))
     expected = offline.generate({"prompt_token_ids": prompt},
                                 SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
@@ -176,5 +177,5 @@ def test_a_poison_request_ends_with_internal_naming_it_while_another_stream_carr
                 tokens += chunk.token_ids
             assert tokens == list(expected)
             stats = client.stats()
-            assert stats["requests_finished_poison"] == 1 and stats["worker_restarts_death"] == 2
+            assert stats["requests_finished_poison"] == 1 and stats["worker_restarts_death"] in (2, 3)
             assert _wait_for_no_used_blocks(client) == 0

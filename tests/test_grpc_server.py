@@ -208,11 +208,10 @@ def test_client_sdk_generate_stream_stats_health_and_errors(llm, server):
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details
 
     async def use_async():
-        client = pagedserve.AsyncClient(f"127.0.0.1:{server.port}")
-        try:
-            return await client.generate([5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
-        finally:
-            await client.close()
+        async with pagedserve.AsyncClient(f"127.0.0.1:{server.port}") as client:
+            done = await client.generate([5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert client._channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN  # closed on the way out
+        return done
 
     assert asyncio.run(use_async()).token_ids == offline.token_ids
 

@@ -615,3 +615,34 @@ def test_preempting_an_already_scheduled_decode_drops_it_from_the_step():
     assert young.status == SequenceStatus.WAITING and sched.waiting[0] is young
     finish_all(sched)
     assert_no_leak(kv)
+
+
+def _faulted_step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:
+    """A step whose workers died: what recovery does with it (no output, the pool lost)."""
+    out = sched.schedule()
+    sched.kv.end_step()
+    poison = sched.record_fault(out)
+    sched.reset_after_worker_loss(out)
+    return out, poison
+
+
+def test_a_poison_request_is_named_only_once_it_faults_without_another_twice_faulted_request():
+    sched, kv = make_scheduler()
+    for i in range(3):
+        sched.add_request(f"r{i}", [100 + 10 * i + t for t in range(8)], SamplingParams(max_tokens=4))
+    out, poison = _faulted_step(sched)
+    assert len(out.scheduled) == 3 and poison == []  # one fault proves nothing
+    out, poison = _faulted_step(sched)  # once-faulted suspects run together again: cheap recovery
+    assert len(out.scheduled) == 3 and poison == []  # three twice-faulted requests: no verdict yet
+    assert sched.fault_suspects == {"r0": 2, "r1": 2, "r2": 2}
+    ok = run_step(sched)
+    assert [seq.request_id for seq, _ in ok.scheduled] == ["r0"]  # isolated: one per step
+    assert "r0" not in sched.fault_suspects  # a step it ran in succeeded: cleared
+    out, poison = _faulted_step(sched)  # r1 alone among the twice-faulted: the poison
+    assert {seq.request_id for seq, _ in out.scheduled} == {"r0", "r1"} and poison == ["r1"]
+    assert sched.fault_suspects["r0"] == 1  # r0 shared the batch: a suspect again, not a poison
+    sched.abort_request("r1")
+    while sched.has_unfinished():
+        run_step(sched)
+    assert not sched.fault_suspects
+    assert_no_leak(kv)

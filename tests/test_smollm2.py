@@ -106,9 +106,15 @@ def test_dequantized_weights_are_cached_and_the_next_load_reads_them(tmp_path, m
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     src = resolve_model("smollm2-135m-instruct")
-    first = dict(model_loader._gguf_tensors(src))
     cached = model_loader.dense_cache_path(src)
+    cached.parent.mkdir(parents=True)
+    stale = cached.with_name(cached.stem.rsplit("-", 1)[0] + "-0123456789abcdef.safetensors")
+    other = cached.with_name("another-model-0123456789abcdef.safetensors")
+    stale.write_bytes(b"x")  # the same GGUF file's cache under an older key (a reinstall)
+    other.write_bytes(b"x")
+    first = dict(model_loader._gguf_tensors(src))
     assert cached.parent == tmp_path / "weights" and cached.exists()
+    assert not stale.exists() and other.exists()  # the stale copy is removed, nothing else
     assert cached.stat().st_mode & 0o077 == 0  # this user's only
 
     def no_dequantizing(*args, **kwargs):

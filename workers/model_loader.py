@@ -132,9 +132,22 @@ def _write_dense_cache(state: dict, target: Path) -> None:
         try:
             save_file(unique, tmp)
             os.replace(tmp, target)
+            _remove_stale_caches(target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     except OSError as e:
         log.warning("the dense weights could not be cached at %s (%s); the next load dequantizes again",
                     target, e)
+
+
+def _remove_stale_caches(current: Path) -> None:
+    """Older caches of the same file (a reinstalled package gives it a new mtime, hence a new
+    key): each is the model's size, and nothing reads them again."""
+    stem = current.stem.rsplit("-", 1)[0]
+    for path in current.parent.glob(f"{glob.escape(stem)}-*.safetensors"):
+        if path != current and path.stem.rsplit("-", 1)[0] == stem:
+            try:
+                path.unlink()
+            except OSError:
+                pass

@@ -8,9 +8,45 @@ rebuilt after a fault draws the same).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from workers.step_plan import SeqSampling, TokenLogprobs
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, params: list[SeqSampling]) -> None:
+    """Structured outputs: -inf, in place, for every token a row's grammar does not allow (and every
+    id past the mask's words). Row i takes `bitmask[params[i].bitmask_index]`; -1 leaves it be.
+    One vectorised unpack for the batch, on the logits' device."""
+    rows = [i for i, p in enumerate(params) if p.bitmask_index >= 0]
+    if not rows:
+        return
+    masks = bitmask[[params[i].bitmask_index for i in rows]]
+    width = min(logits.shape[1], 32 * masks.shape[1])
+    if logits.device.type == "cpu":
+        disallowed = unpack_disallowed_numpy(masks, width)
+    else:
+        disallowed = unpack_disallowed_torch(masks, width, logits.device)
+    every_row = len(rows) == logits.shape[0]
+    target = logits if every_row else logits[torch.tensor(rows, device=logits.device)]
+    target[:, :width].masked_fill_(disallowed, float("-inf"))
+    target[:, width:] = float("-inf")  # a vocabulary padded past the mask
+    if not every_row:
+        logits[torch.tensor(rows, device=logits.device)] = target
+
+
+def unpack_disallowed_numpy(masks: np.ndarray, width: int) -> torch.Tensor:
+    """[R, width] bool, True where a mask's bit is clear. numpy unpacks by a byte table: 32 x 49k
+    bits in 0.2 ms on these 2 cores, where torch's shifts (below) took 10 to 100 ms."""
+    bits = np.unpackbits((~masks).view(np.uint8), axis=1, count=width, bitorder="little")
+    return torch.from_numpy(bits.view(bool))
+
+
+def unpack_disallowed_torch(masks: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
+    """The same on the logits' device (an accelerator): shifts over [R, words, 32]."""
+    words = torch.from_numpy(masks).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)[:, :width] == 0
 
 
 def process_logits(logits: torch.Tensor, params: list[SeqSampling]) -> None:

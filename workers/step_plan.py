@@ -35,6 +35,7 @@ class SeqSampling:
     output_token_ids: tuple[int, ...] = ()
     num_logprobs: int = -1  # -1: none; 0: the sampled token's only; k: and the top k
     position: int = 0  # of the token drawn: with `seed`, its noise is a function of (seed, position)
+    bitmask_index: int = -1  # its row of StepPlan.token_bitmask (a structured output); -1: none
 
     @property
     def has_penalties(self) -> bool:
@@ -83,6 +84,9 @@ class StepPlan:
     load: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # ended since the last plan
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
+    # [M, ceil(vocab / 32)] int32, the allowed tokens of structured outputs (bit j of word w: token
+    # 32w + j); SeqSampling.bitmask_index picks a row. Applied to the logits before anything else.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model, resolve_dtype
 from workers.parallel import TensorParallel
-from workers.sampler import Sampler, token_logprobs
+from workers.sampler import Sampler, apply_token_bitmask, token_logprobs
 from workers.step_plan import StepOutput, StepPlan
 
 
@@ -187,6 +187,8 @@ class Worker:
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
         if logits is None:  # not rank 0: the logits went to rank 0
             return StepOutput([], np.zeros(0, dtype=np.int64))
+        if plan.token_bitmask is not None:  # before penalties, temperature, top-k/p: on the device
+            apply_token_bitmask(logits, plan.token_bitmask, plan.sampling)
         if logits.device.type != "cpu":
             if all(_plain_greedy(p) for p in plan.sampling):  # argmax where the logits are
                 return StepOutput([s.seq_id for s in plan.sampling], logits.argmax(dim=-1).cpu().numpy(),

@@ -10,10 +10,23 @@ from pathlib import Path
 
 from pagedserve.config import EngineConfig
 
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+
 
 def add_bench_arguments(p) -> None:
     p.add_argument("--embedded", action="store_true",
                    help="start `pagedserve serve` with the engine flags given here, bench it, stop it")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="the door the requests go through: grpc (--target) or the OpenAI-compatible HTTP API "
+                        "(--base-url); either way the server's stats are read over gRPC (--target) when it answers "
+                        "(default: %(default)s)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="with --backend openai: /v1/completions (token-id prompts, the same tokens as gRPC) or "
+                        "/v1/chat/completions (messages; a synthetic prompt is one user message) "
+                        "(default: %(default)s)")
+    p.add_argument("--base-url", default=None,
+                   help="with --backend openai: the API's root (default: the embedded server's, else "
+                        f"{DEFAULT_BASE_URL})")
     p.add_argument("--dataset", default="synthetic",
                    help="'synthetic' or a JSONL file of {\"prompt\": ...} or {\"messages\": [...]} lines, each with "
                         "an optional \"max_tokens\" (default: %(default)s)")
@@ -55,14 +68,16 @@ def _check(args) -> None:
 
 
 def _workload(args, tokenizer):
-    from pagedserve.bench.dataset import load_jsonl, synthetic
+    from pagedserve.bench.dataset import as_chat, load_jsonl, synthetic
 
     if args.dataset == "synthetic":
-        return synthetic(tokenizer, args.num_prompts, args.input_range, args.output_range,
-                         args.length_distribution, args.bench_seed, args.shared_prefix_len)
-    if not Path(args.dataset).is_file():
+        requests = synthetic(tokenizer, args.num_prompts, args.input_range, args.output_range,
+                             args.length_distribution, args.bench_seed, args.shared_prefix_len)
+    elif not Path(args.dataset).is_file():
         raise ValueError(f"--dataset must be 'synthetic' or a JSONL file; {args.dataset!r} is neither")
-    return load_jsonl(args.dataset, tokenizer, args.max_tokens, args.num_prompts)
+    else:
+        requests = load_jsonl(args.dataset, tokenizer, args.max_tokens, args.num_prompts)
+    return as_chat(requests, tokenizer) if args.backend == "openai" and args.endpoint == "chat" else requests
 
 
 def _engine_flags(args) -> dict:
@@ -76,7 +91,6 @@ def run_bench(args, api_key: str | None) -> int:
 
     from pagedserve.bench.embedded import EmbeddedServer
     from pagedserve.bench.report import format_table, summarize
-    from pagedserve.bench.runner import run_workload
     from pagedserve.config import resolve_model
 
     try:
@@ -95,9 +109,7 @@ def run_bench(args, api_key: str | None) -> int:
             print(f"starting an embedded server for {args.model} ...", file=sys.stderr)
             server.wait_healthy(args.server_timeout)
             target = server.target
-        run = asyncio.run(run_workload(target, requests, args.request_rate, args.max_concurrency, args.bench_seed,
-                                       api_key, args.temperature, progress=not args.no_progress,
-                                       credentials=_credentials(args)))
+        run = asyncio.run(_run(args, target, server.base_url if server is not None else None, requests, api_key))
     except Exception as e:  # a server that is not there, or refused us: say so, no traceback
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 1
@@ -116,7 +128,12 @@ def run_bench(args, api_key: str | None) -> int:
         baseline["speedup"] = summary["output_token_throughput"] / baseline["output_token_throughput"]
         outputs = baseline.pop("outputs")
         if args.temperature == 0:  # greedy both: a sanity check of the comparison
-            baseline["identical_outputs"] = sum(r.token_ids == o for r, o in zip(run.results, outputs))
+            if args.backend == "grpc":
+                baseline["identical_outputs"] = sum(r.token_ids == o for r, o in zip(run.results, outputs))
+            else:  # HTTP streams text; a server holds back an incomplete UTF-8 character at the end
+                baseline["identical_outputs"] = sum(
+                    r.text == tokenizer.decode(o, skip_special_tokens=True).rstrip("\ufffd")
+                    for r, o in zip(run.results, outputs))
     print(format_table(summary, baseline))
     if args.plot_dir:
         from pagedserve.bench.plots import write_plots
@@ -127,6 +144,35 @@ def run_bench(args, api_key: str | None) -> int:
         _write_json(args, summary, baseline, run)
         print(f"figures: {args.result_json}")
     return 0 if summary["failed"] == 0 else 1
+
+
+async def _run(args, target: str, embedded_base_url: str | None, requests, api_key: str | None):
+    import pagedserve
+    from pagedserve.bench.backends import GrpcBackend, OpenAIBackend
+    from pagedserve.bench.runner import run_workload
+
+    credentials = _credentials(args)
+    poller = pagedserve.AsyncClient(target, token=api_key, credentials=credentials, timeout=10)
+    if args.backend == "grpc":
+        backend = GrpcBackend(target, api_key, credentials)
+    else:
+        backend = OpenAIBackend(args.base_url or embedded_base_url or DEFAULT_BASE_URL, args.endpoint, api_key,
+                                _ssl_context(args), args.max_concurrency)
+        try:  # any OpenAI-compatible server can be benched; pagedserve's stats come over gRPC when it answers
+            await poller.stats()
+        except pagedserve.ServingError as e:
+            print(f"no server stats (gRPC {target}: {e.code.name}): the server's own figures are left out",
+                  file=sys.stderr)
+            await poller.close()
+            poller = None
+    return await run_workload(backend, requests, args.request_rate, args.max_concurrency, args.bench_seed,
+                              args.temperature, progress=not args.no_progress, poller=poller)
+
+
+def _ssl_context(args):
+    import ssl
+
+    return ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
 
 
 def _credentials(args):

@@ -20,6 +20,8 @@ DISTRIBUTIONS = ("uniform", "normal", "exponential")
 class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
+    # A chat request's messages; prompt_ids are then their chat-templated tokens (what the server runs).
+    messages: list[dict] | None = None
 
 
 def corpus_text() -> str:
@@ -119,9 +121,23 @@ def load_jsonl(path: str, tokenizer, default_max_tokens: int, num_prompts: int |
                                                          return_dict=False))
             else:
                 raise ValueError(f"{where}: needs a non-empty 'prompt' string or 'messages' list")
-            requests.append(BenchRequest(ids, max_tokens))
+            requests.append(BenchRequest(ids, max_tokens, row.get("messages")))
             if num_prompts is not None and len(requests) == num_prompts:
                 break
     if not requests:
         raise ValueError(f"{path}: no requests")
     return requests
+
+
+def as_chat(requests: list[BenchRequest], tokenizer) -> list[BenchRequest]:
+    """The workload for a chat endpoint: a request without messages becomes one user message of its
+    prompt's text, and its prompt_ids the chat-templated tokens of that (what the server will run)."""
+    out = []
+    for r in requests:
+        if r.messages is not None:
+            out.append(r)
+            continue
+        messages = [{"role": "user", "content": tokenizer.decode(r.prompt_ids)}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        out.append(BenchRequest(list(ids), r.max_tokens, messages))
+    return out

@@ -1,5 +1,6 @@
 """An embedded server for a benchmark: `pagedserve serve` started as a subprocess, exactly as a
-user starts it (its own local Ray, the coordinator actor, worker actors), stopped with Ctrl-C."""
+user starts it (its own local Ray, the coordinator actor, worker actors), stopped with Ctrl-C. Both
+doors on free ports: gRPC at `target`, the OpenAI-compatible API at `base_url`."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ def free_port() -> int:
 
 
 class EmbeddedServer:
-    def __init__(self, engine_flags: dict, port: int | None = None, metrics_port: int | None = None):
+    def __init__(self, engine_flags: dict, port: int | None = None, metrics_port: int | None = None,
+                 http_port: int | None = None):
         self.port = port or free_port()
         self.target = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port)]
+        self.http_port = http_port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port),
+               "--http-port", str(self.http_port)]
         cmd += ["--metrics-port", str(metrics_port)] if metrics_port is not None else ["--no-metrics"]
         for name, value in engine_flags.items():
             flag = f"--{name.replace('_', '-')}"

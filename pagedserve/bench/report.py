@@ -30,6 +30,8 @@ def summarize(run: RunResult) -> dict:
     output_tokens = sum(r.output_len for r in ok)
     usage = [p["kv_usage"] for p in run.timeline]
     return {
+        "backend": run.backend,
+        "server_stats": bool(after),  # False: no stats client; the server's figures below mean nothing
         "requests": len(run.results), "completed": len(ok), "failed": len(failed),
         "errors": sorted({r.error for r in failed})[:5],
         "duration_s": run.duration,
@@ -63,6 +65,7 @@ def _ms(value) -> str:
 
 def format_table(s: dict, baseline: dict | None = None) -> str:
     rows = [
+        ("backend", s["backend"]),
         ("requests completed / failed", f"{s['completed']} / {s['failed']}"),
         ("duration", f"{s['duration_s']:.2f} s"),
         ("request throughput", f"{s['request_throughput']:.3f} req/s"),
@@ -73,15 +76,18 @@ def format_table(s: dict, baseline: dict | None = None) -> str:
                       ("end-to-end latency", "e2e_ms")):
         p = s[key]
         rows.append((f"{name} p50 / p90 / p99", f"{_ms(p['p50'])} / {_ms(p['p90'])} / {_ms(p['p99'])} ms"))
-    rows += [
-        ("preemptions (of which swaps)", f"{s['preemptions']} ({s['swap_preemptions']})"),
-        ("prefix cache hit rate", f"{100 * s['prefix_cache_hit_rate']:.1f}%"
-         + (f" ({s['cpu_prefix_cache_hit_tokens']} tokens from the CPU tier)" if s["cpu_prefix_cache_hit_tokens"] else "")),
-        ("peak KV usage", f"{100 * s['peak_kv_usage']:.1f}%" + (
-            f" (engine peak {100 * s['peak_kv_usage_engine']:.1f}%)" if s["peak_kv_usage_engine"] is not None else "")),
-        ("block allocation p99", f"{s['block_allocation_latency_us_p99']:.2f} us"),
-        ("block tables + allocator / KV pool", f"{100 * s['peak_kv_metadata_share']:.3f}% at peak"),
-    ]
+    if s["server_stats"]:  # what the server did, from its stats
+        cpu_tier = s["cpu_prefix_cache_hit_tokens"]
+        engine_peak = s["peak_kv_usage_engine"]
+        rows += [
+            ("preemptions (of which swaps)", f"{s['preemptions']} ({s['swap_preemptions']})"),
+            ("prefix cache hit rate", f"{100 * s['prefix_cache_hit_rate']:.1f}%"
+             + (f" ({cpu_tier} tokens from the CPU tier)" if cpu_tier else "")),
+            ("peak KV usage", f"{100 * s['peak_kv_usage']:.1f}%"
+             + (f" (engine peak {100 * engine_peak:.1f}%)" if engine_peak is not None else "")),
+            ("block allocation p99", f"{s['block_allocation_latency_us_p99']:.2f} us"),
+            ("block tables + allocator / KV pool", f"{100 * s['peak_kv_metadata_share']:.3f}% at peak"),
+        ]
     if baseline is not None:
         rows += [
             ("transformers baseline", f"{baseline['seconds']:.2f} s, {baseline['output_token_throughput']:.1f} "

@@ -1,5 +1,6 @@
 """Send a workload to a server and time every request: Poisson arrivals (or all at once), a cap on
-requests in flight, a progress bar, and the server's own figures sampled over time."""
+requests in flight, a progress bar, and the server's own figures sampled over time. How a request
+travels (gRPC or the OpenAI HTTP API) is the backend's business (backends.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class RequestResult:
     send_time: float = 0.0  # seconds since the run started
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each chunk
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # when the backend sees them (gRPC)
+    text: str = ""
     end_time: float = 0.0
     error: str | None = None
 
@@ -53,8 +55,9 @@ class RunResult:
     results: list[RequestResult]
     duration: float
     timeline: list[dict]  # {"t": seconds, key: value for TIMELINE_KEYS}
-    stats_before: dict
+    stats_before: dict  # empty without a stats client
     stats_after: dict
+    backend: str = "grpc"
 
 
 def arrival_times(num: int, request_rate: float, seed: int) -> list[float]:
@@ -67,20 +70,6 @@ def arrival_times(num: int, request_rate: float, seed: int) -> list[float]:
         times.append(t)
         t += rng.expovariate(request_rate)
     return times
-
-
-async def _one(client, request: BenchRequest, result: RequestResult, start: float, temperature: float) -> None:
-    result.send_time = time.perf_counter() - start
-    try:
-        async for chunk in client.stream(request.prompt_ids, max_tokens=request.max_tokens,
-                                         temperature=temperature, ignore_eos=True):
-            if chunk.token_ids:
-                result.chunk_times.append(time.perf_counter() - start)
-                result.chunk_tokens.append(len(chunk.token_ids))
-                result.token_ids += chunk.token_ids
-    except pagedserve.ServingError as e:
-        result.error = f"{e.code.name}: {e.details}"
-    result.end_time = time.perf_counter() - start
 
 
 async def _poll(client, start: float, interval: float, timeline: list[dict], stop: asyncio.Event) -> None:
@@ -97,33 +86,33 @@ async def _poll(client, start: float, interval: float, timeline: list[dict], sto
             pass
 
 
-async def run_workload(target: str, requests: list[BenchRequest], request_rate: float = float("inf"),
-                       max_concurrency: int | None = None, seed: int = 0, token: str | None = None,
-                       temperature: float = 0.0, poll_interval: float = 0.25,
-                       progress: bool = True, credentials=None) -> RunResult:
+async def run_workload(backend, requests: list[BenchRequest], request_rate: float = float("inf"),
+                       max_concurrency: int | None = None, seed: int = 0, temperature: float = 0.0,
+                       poll_interval: float = 0.25, progress: bool = True,
+                       poller: pagedserve.AsyncClient | None = None) -> RunResult:
+    """`backend`: a backends.GrpcBackend or OpenAIBackend (closed here). `poller`: a gRPC client of
+    the same server (its own channel: polls never queue behind the streams) for its stats, or
+    None to go without them."""
     from tqdm.auto import tqdm
 
-    client = pagedserve.AsyncClient(target, token=token, credentials=credentials)
-    # Its own channel: polls never queue behind the streams.
-    poller = pagedserve.AsyncClient(target, token=token, credentials=credentials)
     try:
-        await client.generate([1, 2, 3], max_tokens=2, temperature=0.0)  # first-call costs
-        stats_before = await poller.stats()
+        await backend.warm_up()
+        stats_before = await poller.stats() if poller is not None else {}
         results = [RequestResult(len(r.prompt_ids), r.max_tokens) for r in requests]
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
         timeline: list[dict] = []
         stop = asyncio.Event()
         start = time.perf_counter()
-        polling = asyncio.create_task(_poll(poller, start, poll_interval, timeline, stop))
+        polling = asyncio.create_task(_poll(poller, start, poll_interval, timeline, stop)) if poller else None
 
         async def send(i: int, at: float) -> None:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
             if gate is not None:
                 async with gate:
-                    await _one(client, requests[i], results[i], start, temperature)
+                    await backend.send(requests[i], results[i], start, temperature)
             else:
-                await _one(client, requests[i], results[i], start, temperature)
+                await backend.send(requests[i], results[i], start, temperature)
             bar.update(1)
 
         try:
@@ -132,10 +121,12 @@ async def run_workload(target: str, requests: list[BenchRequest], request_rate: 
         finally:
             duration = time.perf_counter() - start
             stop.set()
-            await polling
+            if polling is not None:
+                await polling
             bar.close()
-        stats_after = await poller.stats()
+        stats_after = await poller.stats() if poller is not None else {}
     finally:
-        await client.close()
-        await poller.close()
-    return RunResult(results, duration, timeline, stats_before, stats_after)
+        await backend.close()
+        if poller is not None:
+            await poller.close()
+    return RunResult(results, duration, timeline, stats_before, stats_after, backend.label)

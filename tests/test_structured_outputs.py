@@ -1,0 +1,229 @@
+"""Structured outputs: with a random model every constrained output still parses (JSON schemas
+validate, regexes fullmatch, choices are chosen, Lark grammars derive), each of n samples has its
+own matcher, preemption by recompute or swap changes no token, a bad grammar is refused at
+admission with nothing left behind, and the gRPC and HTTP doors carry them (one live server)."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import ray
+import torch
+
+from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
+from coordinator.structured_output import GrammarCompiler, fill_bitmasks
+from pagedserve import LLM
+from pagedserve.client import Client
+from pagedserve.config import EngineConfig
+from tests.serving import running_coordinator
+from tests.test_kv_swap import TIGHT
+from tests.test_model_correctness import _prompts
+from workers.sampler import apply_token_bitmask, unpack_disallowed_numpy, unpack_disallowed_torch
+from workers.step_plan import SeqSampling
+
+# Small schemas whose every string and number is bounded: a random model cannot run past max_tokens.
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["id", "items", "paid"],
+         "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                        "items": {"type": "array", "minItems": 1, "maxItems": 2,
+                                  "items": {"type": "object", "additionalProperties": False,
+                                            "required": ["sku", "qty"],
+                                            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+                                                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+                        "paid": {"type": "boolean"}}}
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+LARK = 'start: "(" item ("," item){0,2} ")"\nitem: NAME\nNAME: /[a-z]{1,5}/'
+LARK_LANGUAGE = re.compile(r"\([a-z]{1,5}(,[a-z]{1,5}){0,2}\)")
+
+
+def json_params(schema: dict, **kwargs) -> SamplingParams:
+    # Compact JSON: free whitespace lets a random model pad forever.
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return SamplingParams(structured_outputs=so, **{"max_tokens": 120, **kwargs})
+
+
+def _assert_all_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_swapped"] == 0 and not llm.engine.has_unfinished_requests()
+    assert all(c == 0 for c in llm.engine.scheduler.kv.pool.ref_counts)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:
+        yield llm
+
+
+def test_json_schema_outputs_parse_and_validate(llm):
+    prompts = ["Hello", "Write a person", "Order:", "x"]
+    params = [json_params(PERSON, temperature=0.9, seed=s) for s in range(2)] + \
+             [json_params(ORDER, temperature=0.9, seed=s) for s in range(2)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        (c,) = out.outputs
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
+    greedy = llm.generate("Hello", json_params(ORDER, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(greedy.text), ORDER)
+    # json_object: any object; flexible whitespace, so only a bounded check of the start
+    anything = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True), max_tokens=8,
+                              temperature=0.0)
+    assert llm.generate("Hello", anything, use_tqdm=False)[0].outputs[0].text.startswith("{")
+    _assert_all_free(llm)
+
+
+def test_regex_choice_and_lark_outputs_follow_their_grammar(llm):
+    kinds = [StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=["yes", "no", "not sure"]),
+             StructuredOutputsParams(grammar=LARK)]
+    for seed in range(3):
+        params = [SamplingParams(structured_outputs=so, temperature=1.0, seed=seed, max_tokens=60) for so in kinds]
+        regex, choice, lark = (o.outputs[0] for o in llm.generate(["Hi", "Pick", "List"], params, use_tqdm=False))
+        assert re.fullmatch(REGEX, regex.text) and regex.finish_reason == "stop"
+        assert choice.text in ("yes", "no", "not sure") and choice.finish_reason == "stop"
+        assert LARK_LANGUAGE.fullmatch(lark.text) and lark.finish_reason == "stop"
+    _assert_all_free(llm)
+
+
+def test_each_of_n_samples_has_its_own_matcher(llm):
+    params = json_params(PERSON, n=2, temperature=1.0, seed=7)
+    (out,) = llm.generate("People:", params, use_tqdm=False)
+    texts = [c.text for c in out.outputs]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert texts[0] != texts[1]  # different tokens through separate matchers, both valid
+    # best_of > n: every generated sample is constrained, the best n come back
+    (out,) = llm.generate("People:", SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX),
+                                                    n=2, best_of=4, temperature=1.0, seed=3, max_tokens=30),
+                          use_tqdm=False)
+    assert len(out.outputs) == 2 and all(re.fullmatch(REGEX, c.text) for c in out.outputs)
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_structured_outputs_equal_the_unpreempted_run(tiny_llama, llm, mode):
+    prompts = [{"prompt_token_ids": p} for p in _prompts(8, seed=5, low=40, high=70)]
+    params = json_params(ORDER, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode=mode,
+             max_num_batched_tokens=64) as tight:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        stats = tight.stats()
+        assert stats["num_preemptions"] > 0 and (stats["swap_out_blocks"] > 0) == (mode == "swap")
+        assert [o.outputs[0].token_ids for o in outs] == want
+        for o in outs:
+            jsonschema.validate(json.loads(o.outputs[0].text), ORDER)
+        _assert_all_free(tight)
+
+
+def test_an_invalid_schema_is_refused_at_admission_and_leaves_nothing(llm):
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "strng"}))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: invalid or unsupported JSON schema"):
+        llm.generate("Hello", bad, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex"):  # the second prompt's: the first is undone
+        llm.generate(["Hello", "Hi"], [json_params(PERSON), SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="a(b"))], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar"):
+        llm.generate("Hello", SamplingParams(structured_outputs=StructuredOutputsParams(grammar="start: nothing")),
+                     use_tqdm=False)
+    _assert_all_free(llm)
+    assert llm.engine.output_processor.requests == {}
+    # and the engine goes on
+    assert re.fullmatch(REGEX, llm.generate("Hi", SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex=REGEX), max_tokens=30), use_tqdm=False)[0].outputs[0].text)
+
+
+def test_shapes_are_checked_at_construction_and_beam_search_is_refused():
+    for kwargs, message in [({}, "exactly one of"), ({"json": PERSON, "regex": "a"}, "exactly one of"),
+                            ({"json": "{oops"}, "structured_outputs.json is not valid JSON"),
+                            ({"choice": []}, "structured_outputs.choice"), ({"regex": ""}, "structured_outputs.regex")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match="structured_outputs has no field 'jsn'"):
+        SamplingParams(structured_outputs={"jsn": PERSON})
+    with pytest.raises(ValueError, match="structured_outputs is not supported with use_beam_search"):
+        SamplingParams(use_beam_search=True, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_masks_clear_the_padded_vocabulary_and_grammars_are_cached(bundled_tokenizer):
+    padded = len(bundled_tokenizer) + 40
+    compiler = GrammarCompiler(bundled_tokenizer, padded, frozenset({2}), cache_size=2)
+    first = compiler.compile(StructuredOutputsParams(json=PERSON))
+    assert compiler.compile(StructuredOutputsParams(json=dict(reversed(PERSON.items())))) is first  # same text
+    matcher = compiler.start(StructuredOutputsParams(json=PERSON))
+    (mask,) = fill_bitmasks([matcher])
+    assert mask.shape == ((padded + 31) // 32,)
+    allowed = np.flatnonzero(~unpack_disallowed_numpy(mask[None], padded).numpy()[0])
+    assert len(allowed) > 0 and allowed.max() < len(bundled_tokenizer)
+    assert all(bundled_tokenizer.decode([t]).startswith("{") for t in allowed)
+    for regex in ("a", "b", "c"):  # LRU of 2: PERSON falls out
+        compiler.compile(StructuredOutputsParams(regex=regex))
+    assert compiler.compile(StructuredOutputsParams(json=PERSON)) is not first
+
+
+def test_the_bitmask_masks_only_its_rows_and_both_unpacks_agree():
+    rng = np.random.default_rng(0)
+    masks = rng.integers(-2**31, 2**31 - 1, size=(2, 3), dtype=np.int64).astype(np.int32)
+    assert torch.equal(unpack_disallowed_numpy(masks, 90), unpack_disallowed_torch(masks, 90, torch.device("cpu")))
+    params = [SeqSampling(i, 1.0, 1.0, -1, 0.0, None) for i in range(3)]
+    params[0].bitmask_index, params[2].bitmask_index = 1, 0
+    logits = torch.zeros(3, 100)  # 100 logits, 96 mask bits: the last 4 are padding
+    apply_token_bitmask(logits, masks, params)
+    for row, mask in ((0, masks[1]), (2, masks[0])):
+        bits = [t for t in range(96) if (int(mask[t // 32]) >> (t % 32)) & 1]
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == bits
+    assert torch.isfinite(logits[1]).all()
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_llama):
+    config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, distributed_executor_backend="uni")
+    with running_coordinator(config) as (actor, target):
+        port = ray.get(actor.status.remote())["http_port"]
+        yield SimpleNamespace(target=target, url=f"http://127.0.0.1:{port}/v1", model=tiny_llama)
+
+
+def test_grpc_request_with_a_json_schema(server):
+    with Client(server.target) as client:
+        done = client.generate("Hello", json_schema=PERSON, disable_any_whitespace=True, max_tokens=80,
+                               temperature=0.8, seed=2)
+        assert done.finish_reason == "stop"
+        jsonschema.validate(json.loads(done.text), PERSON)
+        assert client.generate("Hi", choice=["left", "right"], temperature=1.0).text in ("left", "right")
+        with pytest.raises(Exception) as info:
+            client.generate("Hello", json_schema={"type": "strng"})
+        assert info.value.code.name == "INVALID_ARGUMENT" and "structured_outputs.json" in info.value.details
+
+
+def test_http_response_format_and_structured_outputs(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    # OpenAI's field has no whitespace switch; llguidance reads one from the schema's "x-guidance".
+    compact = {**PERSON, "x-guidance": {"whitespace_flexible": False}}
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": compact, "strict": True}}
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Who?"}],
+                                          response_format=schema_format, max_tokens=80, temperature=0.8, seed=1)
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    completion = client.completions.create(model=server.model, prompt="Pick", max_tokens=20, temperature=1.0,
+                                           extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, completion.choices[0].text)
+    vllm_style = {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}
+    strict = client.completions.create(model=server.model, prompt="Who", max_tokens=80, temperature=0.0,
+                                       extra_body=vllm_style)
+    jsonschema.validate(json.loads(strict.choices[0].text), PERSON)
+    for body, param in [({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                        ({"structured_outputs": {"json": {"type": "strng"}}}, "structured_outputs"),
+                        ({"structured_outputs": {"backend": "xgrammar", "regex": "a"}}, "structured_outputs")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=server.model, prompt="x", max_tokens=4, extra_body=body)
+        assert info.value.body["param"] == param, info.value.body
