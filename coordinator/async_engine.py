@@ -10,6 +10,7 @@ frees its blocks before the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from coordinator.engine import LLMEngine
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
+
+
+# Grammars compiling at once: llguidance compiles without the GIL, so two big schemas compile side
+# by side while the input thread goes on tokenizing other requests.
+GRAMMAR_THREADS = 2
 
 
 class QueueFullError(RuntimeError):
@@ -51,6 +57,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._input_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-input")
+        self._grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._ids = itertools.count()
         self._num_checking = 0  # requests being tokenized and checked: they count as queued
         self._abort_reasons: dict[str, str] = {}  # of aborts that are not a client's cancel
@@ -83,6 +90,7 @@ class AsyncEngine:
                 pass  # the loop had failed: self.error holds it, every stream was told
         self._thread.shutdown(wait=True)
         self._input_thread.shutdown(wait=True)
+        self._grammar_threads.shutdown(wait=True)
 
     @property
     def num_queued(self) -> int:
@@ -120,24 +128,53 @@ class AsyncEngine:
         Past `timeout` seconds in any state (queued, prefilling, decoding, swapped) the request is
         aborted (finish reason "deadline") and DeadlineExceededError raised."""
         expires = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self.check_accepting(request_id)
+        self._num_checking += 1
+        try:
+            token_ids = await self.check_input(prompt, prompt_token_ids, params, priority, messages, chat_options)
+        finally:
+            self._num_checking -= 1
+        # aclosing: a consumer that stops reading closes the inner stream now (its abort), not at GC.
+        async with contextlib.aclosing(self.generate_checked(token_ids, params, request_id, priority, expires,
+                                                             prompt, timeout)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def check_accepting(self, request_id: str = "") -> None:
+        """EngineDeadError, ValueError (the id is taken) or QueueFullError when a new request would
+        be refused now."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped after a failure: {self.error!r}", request_id,
                                   self.error, in_flight=False)
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
+        if request_id and request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
-        self._num_checking += 1
-        try:
-            token_ids = await asyncio.get_running_loop().run_in_executor(
-                self._input_thread, self.llm_engine.input_processor.process, prompt, prompt_token_ids, params,
-                priority, messages, chat_options)
-        finally:
-            self._num_checking -= 1
+
+    async def check_input(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+                          priority: int = 0, messages: list[dict] | None = None,
+                          chat_options: dict | None = None) -> list[int]:
+        """The prompt's token ids once every check passed (ValueError naming the field otherwise):
+        tokenizing in the input thread, a structured output's grammar in the grammar pool, so
+        that a schema that takes a second to compile never holds up other requests' tokenizing."""
+        loop = asyncio.get_running_loop()
+        processor = self.llm_engine.input_processor
+        token_ids = await loop.run_in_executor(
+            self._input_thread, processor.process, prompt, prompt_token_ids, params, priority, messages,
+            chat_options, False)
+        if params.structured_outputs is not None:
+            await loop.run_in_executor(self._grammar_threads, processor.grammars.compile, params.structured_outputs)
+        return token_ids
+
+    async def generate_checked(self, token_ids: list[int], params: SamplingParams, request_id: str = "",
+                               priority: int = 0, expires: float | None = None,
+                               prompt: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """`generate` for a request `check_input` passed: queued at once. `expires`: the loop's
+        time past which it is aborted (its deadline of `timeout` seconds)."""
         if self.error is not None or (self._task is not None and self._task.done()):
             raise EngineDeadError(f"the engine has stopped: {self.error!r}", request_id, self.error,
                                   in_flight=False)
+        request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:  # taken while this one was tokenized
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()

@@ -69,10 +69,11 @@ class InputProcessor:
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                 priority: int = 0, messages: list[dict] | None = None,
-                chat_options: dict | None = None) -> list[int]:
+                chat_options: dict | None = None, compile_grammar: bool = True) -> list[int]:
         """Everything a request could be refused for; its prompt's token ids. `messages` (a chat)
         takes the place of `prompt` and `prompt_token_ids`; `chat_options` are chat_prompt_ids'
-        keyword arguments."""
+        keyword arguments. `compile_grammar=False` leaves a structured output's grammar for the
+        caller to compile (`grammars.compile`), as a server does in a pool of its own."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer; got {priority!r}")
         if not isinstance(params, SamplingParams):
@@ -81,6 +82,6 @@ class InputProcessor:
             prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
         params.check_token_ids(self.vocab_size)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and compile_grammar:
             self.grammars.compile(params.structured_outputs)  # kept on it for the engine loop
         return prompt_token_ids

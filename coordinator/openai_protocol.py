@@ -133,13 +133,13 @@ class _GenerationRequest(_Body):
         if kind == "text":
             return None
         if kind == "json_object":
-            return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json_object=True, field_name="response_format")
         if kind != "json_schema":
             raise ValueError(f"response_format.type must be text, json_object or json_schema; got {kind!r}")
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ValueError("response_format.json_schema.schema is required: the JSON schema, an object")
-        return StructuredOutputsParams(json=spec["schema"])
+        return StructuredOutputsParams(json=spec["schema"], field_name="response_format.json_schema.schema")
 
 
 class CompletionRequest(_GenerationRequest):

@@ -24,6 +24,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # JSON only: no whitespace between tokens beyond the one separator form (vLLM's name).
     disable_any_whitespace: bool = False
+    # The request field the client set it by, for error messages ("" is structured_outputs.<kind>):
+    # an HTTP client that sent response_format is told about response_format.
+    field_name: str = field(default="", repr=False, compare=False)
     # The engine's compiled grammar, kept by the input processor for the engine loop to start
     # matchers from (never pickled or copied: it belongs to one engine's tokenizer).
     _compiled: object = field(default=None, init=False, repr=False, compare=False)
@@ -76,7 +79,7 @@ class StructuredOutputsParams:
         return kind, value, self.disable_any_whitespace
 
     def __getstate__(self) -> dict:
-        return {name: getattr(self, name) for name in (*_STRUCTURED_KINDS, "disable_any_whitespace")}
+        return {name: getattr(self, name) for name in (*_STRUCTURED_KINDS, "disable_any_whitespace", "field_name")}
 
     def __setstate__(self, state: dict) -> None:
         for name, value in state.items():

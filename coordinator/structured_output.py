@@ -125,7 +125,7 @@ class GrammarCompiler:
 
     def _build(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
         kind = so.kind
-        field = f"structured_outputs.{kind}"
+        field = so.field_name or f"structured_outputs.{kind}"
         try:
             if kind in ("json", "json_object"):
                 schema = so.json if kind == "json" else {"type": "object"}

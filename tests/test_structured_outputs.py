@@ -5,8 +5,10 @@ admission with nothing left behind, and the gRPC and HTTP doors carry them (one 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from types import SimpleNamespace
 
 import jsonschema
@@ -16,6 +18,7 @@ import pytest
 import ray
 import torch
 
+from coordinator.async_engine import AsyncEngine
 from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
 from coordinator.structured_output import GrammarCompiler, fill_bitmasks
 from pagedserve import LLM
@@ -142,6 +145,47 @@ def test_an_invalid_schema_is_refused_at_admission_and_leaves_nothing(llm):
         structured_outputs=StructuredOutputsParams(regex=REGEX), max_tokens=30), use_tqdm=False)[0].outputs[0].text)
 
 
+def test_a_grammar_that_compiles_slowly_holds_up_no_other_request(llm, monkeypatch):
+    """A server compiles grammars in a pool of their own: while one request's schema compiles
+    (held here until released), a plain request is tokenized, served and finished."""
+    grammars = llm.engine.input_processor.grammars
+    compiling, release = threading.Event(), threading.Event()
+    real_build = grammars._build
+
+    def held_build(so):
+        compiling.set()
+        release.wait(60)
+        return real_build(so)
+
+    monkeypatch.setattr(grammars, "_build", held_build)
+    unseen = {**PERSON, "properties": {**PERSON["properties"], "name": {"type": "string", "maxLength": 5}}}
+
+    async def last(outputs):
+        out = None
+        async for out in outputs:
+            pass
+        return out
+
+    async def scenario():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            constrained = asyncio.create_task(last(engine.generate("Who", None, json_params(unseen, temperature=0.0))))
+            assert await asyncio.get_running_loop().run_in_executor(None, compiling.wait, 30)
+            plain = await asyncio.wait_for(last(engine.generate("Hi", None, SamplingParams(max_tokens=4))), 60)
+            assert plain.finished and len(plain.outputs[0].token_ids) == 4
+            assert not constrained.done()  # still compiling
+            release.set()
+            done = await asyncio.wait_for(constrained, 60)
+            jsonschema.validate(json.loads(done.outputs[0].text), unseen)
+        finally:
+            release.set()
+            await engine.stop()
+
+    asyncio.run(scenario())
+    _assert_all_free(llm)
+
+
 def test_shapes_are_checked_at_construction_and_beam_search_is_refused():
     for kwargs, message in [({}, "exactly one of"), ({"json": PERSON, "regex": "a"}, "exactly one of"),
                             ({"json": "{oops"}, "structured_outputs.json is not valid JSON"),
@@ -223,7 +267,12 @@ def test_http_response_format_and_structured_outputs(server):
     for body, param in [({"response_format": {"type": "xml"}}, "response_format"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
                         ({"structured_outputs": {"json": {"type": "strng"}}}, "structured_outputs"),
+                        # a schema that fails to compile is named by the field it came in
+                        ({"response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+                         "response_format"),
                         ({"structured_outputs": {"backend": "xgrammar", "regex": "a"}}, "structured_outputs")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=server.model, prompt="x", max_tokens=4, extra_body=body)
         assert info.value.body["param"] == param, info.value.body
+        assert info.value.body["message"].startswith(param), info.value.body
