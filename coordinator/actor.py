@@ -153,7 +153,7 @@ class CoordinatorActor:
         if options.http:
             await self._start_http(engine_config.model, options)
         self._load = asyncio.get_running_loop().create_task(
-            self._load_engine(engine_config, options.max_queued_requests))
+            self._load_engine(engine_config, options))
         self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
         if wait:
             await self.wait_ready()
@@ -165,7 +165,7 @@ class CoordinatorActor:
         if self._registry is None:
             state = self._state  # read from the metrics thread: see ServerState on what is safe there
             self._registry = make_registry(PagedserveCollector(
-                model, lambda: state.engine.llm_engine if state.engine is not None else None,
+                model, lambda: state.engine.replica_engines() if state.engine is not None else [],
                 lambda: dict(state.rejected)))
         return self._registry
 
@@ -190,23 +190,50 @@ class CoordinatorActor:
                 port = await self._http.start(options.http_host, 0)
         self._info.update(http_host=options.http_host, http_port=port)
 
-    async def _load_engine(self, config: EngineConfig, max_queued_requests: int) -> None:
+    async def _load_engine(self, config: EngineConfig, options: ServerOptions) -> None:
         from coordinator.async_engine import AsyncEngine
-        from coordinator.engine import LLMEngine
 
         loop = asyncio.get_running_loop()
         try:
-            # Loading takes seconds to minutes: a thread, never the event loop.
-            engine = await loop.run_in_executor(None, LLMEngine.from_config, config)
+            # Loading takes seconds to minutes: threads, never the event loop.
+            if options.data_parallel_size == 1:
+                engine = await loop.run_in_executor(None, _load_llm_engine, config)
+                served = AsyncEngine(engine, options.max_queued_requests)
+            else:
+                served = await self._load_replicas(config, options)
         except BaseException as e:
             await self._state.set_failed(f"the model failed to load: {e}")
             raise
         if self._closing:
-            await loop.run_in_executor(None, engine.shutdown)
+            await loop.run_in_executor(None, _shutdown_served, served)
             return
-        self._async_engine = AsyncEngine(engine, max_queued_requests)
-        self._async_engine.start()
-        await self._state.set_engine(self._async_engine)
+        self._async_engine = served
+        served.start()
+        await self._state.set_engine(served)
+
+    async def _load_replicas(self, config: EngineConfig, options: ServerOptions):
+        """`data_parallel_size` engines (after the first, loaded side by side), spread over the cluster's nodes,
+        behind a Router. They share one input processor (tokenizer, checks, compiled grammars)."""
+        from coordinator.async_engine import AsyncEngine
+        from coordinator.router import Router
+
+        loop = asyncio.get_running_loop()
+        configs = replica_configs(config, options.data_parallel_size)
+        # The first alone: transformers' lazy imports are not safe to race from two threads.
+        engines = [await loop.run_in_executor(None, _load_llm_engine, configs[0])]
+        engines += await asyncio.gather(*(loop.run_in_executor(None, _load_llm_engine, c) for c in configs[1:]))
+        for engine in engines[1:]:
+            engine.input_processor = engines[0].input_processor
+        shared_input = engines[0].input_processor
+
+        def rebuild(index: int) -> AsyncEngine:  # a replica whose engine stopped (in a thread)
+            engine = _load_llm_engine(configs[index])
+            engine.input_processor = shared_input
+            return _started_engine(engine, options.max_queued_requests, loop)
+
+        policy = "prefix" if options.routing_policy == "auto" else options.routing_policy
+        return Router([AsyncEngine(e, options.max_queued_requests) for e in engines], policy,
+                      options.max_queued_requests, rebuild)
 
     async def wait_ready(self) -> dict:
         """Wait until the model is loaded and served; raises the load error if loading failed."""
@@ -223,11 +250,18 @@ class CoordinatorActor:
             return {"state": "new"}
         return {**self._info, "state": self._state.status, "reason": self._state.reason}
 
-    async def worker_pids(self) -> list[int]:
-        """The process ids of the worker actors (for operators and fault tests)."""
+    async def worker_pids(self, replica: int | None = None) -> list[int]:
+        """The process ids of the worker actors, of every replica or of one (for operators and
+        fault tests)."""
         if self._async_engine is None:
             return []
-        return self._async_engine.llm_engine.executor.worker_pids()
+        engines = self._async_engine.replica_engines()
+        loop = asyncio.get_running_loop()
+        pids = []
+        for label, engine in engines:
+            if replica is None or label == str(replica):
+                pids += await loop.run_in_executor(None, engine.executor.worker_pids)
+        return pids
 
     async def stats(self) -> dict:
         """The engine's figures and the refusal counts, as GetStats answers."""
@@ -255,8 +289,54 @@ class CoordinatorActor:
             await self._server.stop(grace=2)  # time for the last responses to go out
         if self._async_engine is not None:
             await self._async_engine.stop()
-            await asyncio.get_running_loop().run_in_executor(None, self._async_engine.llm_engine.shutdown)
+            await asyncio.get_running_loop().run_in_executor(None, _shutdown_served, self._async_engine)
             self._async_engine = None
+
+
+def _load_llm_engine(config: EngineConfig):
+    from coordinator.engine import LLMEngine
+
+    return LLMEngine.from_config(config)
+
+
+def _started_engine(engine, max_queued_requests: int, loop: asyncio.AbstractEventLoop):
+    """An AsyncEngine over `engine`, started on `loop` (from another thread)."""
+    from coordinator.async_engine import AsyncEngine
+
+    async def start():
+        served = AsyncEngine(engine, max_queued_requests)
+        served.start()
+        return served
+
+    return asyncio.run_coroutine_threadsafe(start(), loop).result()
+
+
+def _shutdown_served(served) -> None:
+    if hasattr(served, "shutdown_engines"):
+        served.shutdown_engines()
+    else:
+        served.llm_engine.shutdown()
+
+
+def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
+    """Each replica's config: its worker group placed on a node of its own while the cluster's
+    nodes last (round robin over nodes that can hold a whole group), and on CPU, unless set,
+    `worker_cpus` splitting the cluster's free CPUs evenly among every replica's ranks (two
+    replicas on a 2-core node: one core, one torch thread, each)."""
+    tp = config.tensor_parallel_size
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = config.worker_cpus
+    if cpus == 0 and config.device == "cpu":
+        free = int(ray.available_resources().get("CPU", 0))
+        cpus = max(1, free // (replicas * tp))
+    need = tp * max(1, cpus)
+    roomy = sorted((n for n in nodes if n.get("Resources", {}).get("CPU", 0) >= need),
+                   key=lambda n: -n.get("Resources", {}).get("CPU", 0))
+    out = []
+    for i in range(replicas):
+        node = config.placement_node or (roomy[i % len(roomy)]["NodeID"] if roomy else "")
+        out.append(config.replace(worker_cpus=cpus, placement_node=node))
+    return out
 
 
 def config_dict(config: EngineConfig) -> dict:

@@ -250,6 +250,10 @@ class AsyncEngine:
             engine.abort_request(request_id, self._abort_reasons.pop(request_id, "abort"))
         engine.refresh_stats()  # once for the lot: no step runs now
 
+    def replica_engines(self) -> list[tuple[str, LLMEngine]]:
+        """(replica label, engine) for the metrics: one replica, "0" (a Router has several)."""
+        return [("0", self.llm_engine)]
+
     async def stats(self) -> dict:
         stats = self.llm_engine.stats()
         stats["num_queued"] = self.num_queued

@@ -109,8 +109,10 @@ class LLMEngine:
         block_bytes = self.executor.block_bytes()
         tp = self.config.tensor_parallel_size
         num_cpu_blocks = int(self.config.swap_space * (1 << 30)) // (block_bytes * tp)
-        # auto: shared memory, since the store is always placed on the workers' node.
-        transport = "grpc" if self.config.kv_transport == "grpc" else "shm"
+        # auto: shared memory when every rank shares the store's node (rank 0's), else gRPC.
+        transport = self.config.kv_transport
+        if transport == "auto":
+            transport = "grpc" if self.executor.spans_nodes() else "shm"
         store = StoreHandle(num_cpu_blocks, tp, block_bytes, self.executor.node_id(), transport)
         self.swap_block_bytes = block_bytes * tp
         try:

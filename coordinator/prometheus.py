@@ -22,12 +22,13 @@ REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthentica
 
 
 class PagedserveCollector:
-    """`engine()` returns the running LLMEngine or None (still loading); `rejected()` the
-    server's refusals by reason."""
+    """`engines()` returns [(replica label, LLMEngine)] of the running engines (empty while
+    loading); `rejected()` the server's refusals by reason. Every engine series carries a
+    `replica` label ("0" with one replica): the cluster's figure is their sum."""
 
-    def __init__(self, model_name: str, engine: Callable, rejected: Callable[[], dict]):
+    def __init__(self, model_name: str, engines: Callable, rejected: Callable[[], dict]):
         self.model_name = model_name
-        self._engine = engine
+        self._engines = engines
         self._rejected = rejected
 
     def describe(self):
@@ -44,83 +45,87 @@ class PagedserveCollector:
         for reason in REJECT_REASONS:
             rejected.add_metric(model + [reason], counts.get(reason, 0))
         yield rejected
-        engine = self._engine()
-        if engine is None:
-            return
-        yield from self._engine_families(engine, model)
+        engines = self._engines()
+        if engines:
+            yield from self._engine_families(engines)
 
-    def _engine_families(self, engine, model):
+    def _engine_families(self, engines):
         from coordinator.stats import engine_stats
 
-        s = engine_stats(engine)
+        replicas = [([self.model_name, label], engine, engine_stats(engine)) for label, engine in engines]
 
-        def gauge(name, doc, value):
-            g = self._family(GaugeMetricFamily, name, doc)
-            g.add_metric(model, value)
-            return g
-
-        def counter(name, doc, value):
-            c = self._family(CounterMetricFamily, name, doc)
-            c.add_metric(model, value)
-            return c
-
-        def labelled(cls, name, doc, label, values: dict):
-            f = self._family(cls, name, doc, [label])
-            for key, value in values.items():
-                f.add_metric(model + [key], value)
+        def simple(cls, name, doc, value_of):
+            f = self._family(cls, name, doc, ["replica"])
+            for labels, engine, s in replicas:
+                f.add_metric(labels, value_of(s, engine))
             return f
 
-        yield labelled(GaugeMetricFamily, "num_requests", "Requests in flight, by state", "state",
-                       {"running": s["num_requests_running"], "waiting": s["num_requests_waiting"],
-                        "swapped": s["num_requests_swapped"]})
-        yield labelled(GaugeMetricFamily, "kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", "tier",
-                       {"device": s["kv_usage"], "cpu": s["cpu_kv_usage"]})
-        yield gauge("kv_cache_fragmentation_ratio",
-                    "Allocated-but-empty KV slots over allocated slots (internal fragmentation)",
-                    s["kv_fragmentation"])
-        yield labelled(GaugeMetricFamily, "kv_blocks", "Device KV blocks by state (used + free = capacity; "
+        def labelled(cls, name, doc, label, values_of):
+            f = self._family(cls, name, doc, ["replica", label])
+            for labels, engine, s in replicas:
+                for key, value in values_of(s, engine).items():
+                    f.add_metric(labels + [key], value)
+            return f
+
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        yield labelled(G, "num_requests", "Requests in flight, by state", "state",
+                       lambda s, e: {"running": s["num_requests_running"], "waiting": s["num_requests_waiting"],
+                                     "swapped": s["num_requests_swapped"]})
+        yield labelled(G, "kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", "tier",
+                       lambda s, e: {"device": s["kv_usage"], "cpu": s["cpu_kv_usage"]})
+        yield simple(G, "kv_cache_fragmentation_ratio",
+                     "Allocated-but-empty KV slots over allocated slots (internal fragmentation)",
+                     lambda s, e: s["kv_fragmentation"])
+        yield labelled(G, "kv_blocks", "Device KV blocks by state (used + free = capacity; "
                        "cached: blocks, used or free, that hold a prefix-cache entry)", "state",
-                       {"used": s["kv_blocks_used"], "free": s["kv_blocks_free"], "cached": s["kv_blocks_cached"]})
-        yield gauge("kv_blocks_capacity", "Device KV blocks in the pool", s["kv_blocks_total"])
-        yield labelled(GaugeMetricFamily, "cpu_kv_blocks", "KV store blocks by state", "state",
-                       {"used": s["cpu_blocks_used"], "cached": s["cpu_blocks_cached"],
-                        "capacity": s["cpu_blocks_total"]})
-        yield counter("prompt_tokens", "Prompt tokens of requests that produced a token", s["prompt_tokens"])
-        yield counter("generation_tokens", "Generated tokens", s["generation_tokens"])
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                      s["prefix_cache_queries"])
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (either tier)",
-                      s["prefix_cache_hits"])
-        yield labelled(CounterMetricFamily, "prompt_tokens_cached", "Prompt tokens served from the prefix "
+                       lambda s, e: {"used": s["kv_blocks_used"], "free": s["kv_blocks_free"],
+                                     "cached": s["kv_blocks_cached"]})
+        yield simple(G, "kv_blocks_capacity", "Device KV blocks in the pool", lambda s, e: s["kv_blocks_total"])
+        yield labelled(G, "cpu_kv_blocks", "KV store blocks by state", "state",
+                       lambda s, e: {"used": s["cpu_blocks_used"], "cached": s["cpu_blocks_cached"],
+                                     "capacity": s["cpu_blocks_total"]})
+        yield simple(C, "prompt_tokens", "Prompt tokens of requests that produced a token",
+                     lambda s, e: s["prompt_tokens"])
+        yield simple(C, "generation_tokens", "Generated tokens", lambda s, e: s["generation_tokens"])
+        yield simple(C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                     lambda s, e: s["prefix_cache_queries"])
+        yield simple(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache (either tier)",
+                     lambda s, e: s["prefix_cache_hits"])
+        yield labelled(C, "prompt_tokens_cached", "Prompt tokens served from the prefix "
                        "cache instead of computed, by tier", "tier",
-                       {"device": s["prefix_cache_hits"] - s["cpu_prefix_cache_hits"],
-                        "cpu": s["cpu_prefix_cache_hits"]})
-        yield labelled(CounterMetricFamily, "preemptions", "Preemptions, by mode", "mode",
-                       {"swap": s["num_swap_preemptions"], "recompute": s["num_recompute_preemptions"]})
-        yield labelled(CounterMetricFamily, "cpu_tier_blocks", "Blocks moved by the prefix cache's CPU tier "
+                       lambda s, e: {"device": s["prefix_cache_hits"] - s["cpu_prefix_cache_hits"],
+                                     "cpu": s["cpu_prefix_cache_hits"]})
+        yield labelled(C, "preemptions", "Preemptions, by mode", "mode",
+                       lambda s, e: {"swap": s["num_swap_preemptions"], "recompute": s["num_recompute_preemptions"]})
+        yield labelled(C, "cpu_tier_blocks", "Blocks moved by the prefix cache's CPU tier "
                        "(saved before eviction, loaded on a hit); swapped_*_bytes count preemption swaps", "direction",
-                       {"saved": s["cpu_prefix_cache_saved_blocks"], "loaded": s["cpu_prefix_cache_loaded_blocks"]})
-        yield counter("swapped_out_bytes", "Bytes swapped out to the KV store", s["swap_out_bytes"])
-        yield counter("swapped_in_bytes", "Bytes swapped in from the KV store", s["swap_in_bytes"])
-        yield labelled(CounterMetricFamily, "worker_restarts", "Worker groups rebuilt after a fault, by cause",
-                       "cause", {cause: s[f"worker_restarts_{cause}"] for cause in ("death", "hang", "error")})
-        yield counter("requests_resumed", "Requests resumed on a rebuilt worker group", s["requests_resumed"])
-        yield counter("kv_checksum_failures", "KV store blocks whose checksum failed when read back (what "
-                      "they held was recomputed, never served)", s["kv_checksum_failures_total"])
-        yield labelled(CounterMetricFamily, "requests_finished", "Requests finished, by reason", "reason",
-                       {reason: engine.metrics.finished[reason] for reason in FINISH_REASONS})
+                       lambda s, e: {"saved": s["cpu_prefix_cache_saved_blocks"],
+                                     "loaded": s["cpu_prefix_cache_loaded_blocks"]})
+        yield simple(C, "swapped_out_bytes", "Bytes swapped out to the KV store", lambda s, e: s["swap_out_bytes"])
+        yield simple(C, "swapped_in_bytes", "Bytes swapped in from the KV store", lambda s, e: s["swap_in_bytes"])
+        yield labelled(C, "worker_restarts", "Worker groups rebuilt after a fault, by cause", "cause",
+                       lambda s, e: {cause: s[f"worker_restarts_{cause}"] for cause in ("death", "hang", "error")})
+        yield simple(C, "requests_resumed", "Requests resumed on a rebuilt worker group",
+                     lambda s, e: s["requests_resumed"])
+        yield simple(C, "kv_checksum_failures", "KV store blocks whose checksum failed when read back (what "
+                     "they held was recomputed, never served)", lambda s, e: s["kv_checksum_failures_total"])
+        yield labelled(C, "requests_finished", "Requests finished, by reason", "reason",
+                       lambda s, e: {reason: e.metrics.finished[reason] for reason in FINISH_REASONS})
         for name, (_, doc) in HISTOGRAMS.items():
-            yield self._histogram(name, doc, engine.metrics.histograms[name], model)
+            yield self._histogram(name, doc, replicas, lambda e, name=name: e.metrics.histograms[name])
         yield self._histogram("block_allocation_latency_microseconds",
                               "Latency of one KV block allocation (one in ALLOC_SAMPLE_EVERY is timed)",
-                              engine.metrics.alloc_latency_us, model)
+                              replicas, lambda e: e.metrics.alloc_latency_us)
 
-    def _histogram(self, name: str, doc: str, h: Histogram, model) -> HistogramMetricFamily:
-        family = self._family(HistogramMetricFamily, name, doc)
-        buckets = [("+Inf" if bound == float("inf") else repr(float(bound)), count) for bound, count in h.cumulative()]
-        # The sum is read after the buckets: an observation landing in between leaves the
-        # count (the +Inf bucket) consistent with the buckets, as Prometheus requires.
-        family.add_metric(model, buckets, h.sum)
+    def _histogram(self, name: str, doc: str, replicas, histogram_of) -> HistogramMetricFamily:
+        family = self._family(HistogramMetricFamily, name, doc, ["replica"])
+        for labels, engine, _ in replicas:
+            h: Histogram = histogram_of(engine)
+            buckets = [("+Inf" if bound == float("inf") else repr(float(bound)), count)
+                       for bound, count in h.cumulative()]
+            # The sum is read after the buckets: an observation landing in between leaves the
+            # count (the +Inf bucket) consistent with the buckets, as Prometheus requires.
+            family.add_metric(labels, buckets, h.sum)
         return family
 
 

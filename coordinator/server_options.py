@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
+DEFAULT_HTTP_PORT = 8000
+ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py  # vLLM's: `curl localhost:8000/v1/...` works as it does there
 
 
 @dataclass(slots=True)
@@ -30,6 +31,10 @@ class ServerOptions:
     # 0 picks a free port; None: DEFAULT_HTTP_PORT, or a free one (see status) when it is taken,
     # so that several servers (and tests) on one machine never fail over the default.
     http_port: int | None = None
+    # Engine replicas behind the one front door (coordinator/router.py), and how requests are
+    # routed among them; "auto": prefix with several replicas.
+    data_parallel_size: int = 1
+    routing_policy: str = "auto"
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -59,6 +64,10 @@ class ServerOptions:
         if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
                 or self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be a number of seconds >= 0; got {self.drain_timeout!r}")
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1; got {self.data_parallel_size!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing_policy!r}")
         for name in ("default_metrics", "http"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")

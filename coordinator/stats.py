@@ -140,3 +140,33 @@ def engine_stats(engine) -> dict:
             1e6 * (metrics.execute_seconds - metrics.worker_seconds) / max(1, s.num_steps)),
         **metrics.summary(),
     }
+
+
+def combine_replica_stats(engines: list) -> dict:
+    """The cluster's figures over several replicas' LLMEngines, keyed as engine_stats: counts and
+    sizes add up; usage ratios are recomputed from the sums, fragmentation is weighted by blocks
+    in use, and percentiles come from the replicas' histograms merged (never averaged)."""
+    from coordinator.metrics import Histogram, _nearest_rank
+
+    if not engines:
+        return {}
+    each = [engine_stats(e) for e in engines]
+    total = {key: sum(s[key] for s in each) for key in each[0]}
+    used, blocks = total["kv_blocks_used"], total["kv_blocks_total"]
+    total["kv_usage"] = used / blocks if blocks else 0.0
+    total["cpu_kv_usage"] = total["cpu_blocks_used"] / total["cpu_blocks_total"] if total["cpu_blocks_total"] else 0.0
+    total["kv_fragmentation"] = (sum(s["kv_fragmentation"] * s["kv_blocks_used"] for s in each) / used) if used else 0.0
+    total["executor_overhead_us_per_step"] = total["executor_overhead_us_per_step"] / len(each)
+    for name, first in engines[0].metrics.histograms.items():
+        merged = Histogram(first.bounds)
+        for e in engines:
+            h = e.metrics.histograms[name]
+            merged.counts = [a + b for a, b in zip(merged.counts, h.counts)]
+            merged.count += h.count
+            merged.sum += h.sum
+        for q in (50, 90, 99):
+            total[f"{name}_p{q}"] = merged.quantile(q / 100)
+    samples = sorted(ns for e in engines for ns in e.metrics.recent_alloc_latency_ns)
+    total["alloc_latency_us_p50"] = _nearest_rank(samples, 0.50) / 1000.0
+    total["alloc_latency_us_p99"] = _nearest_rank(samples, 0.99) / 1000.0
+    return total

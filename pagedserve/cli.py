@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="port of the OpenAI-compatible HTTP API; 0 picks a free one (default: 8000, or a "
                             "free port, printed, when 8000 is taken)")
     serve.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind this one server, each with its own scheduler, KV pool and "
+                            "workers, spread over the Ray cluster's nodes (default: %(default)s)")
+    serve.add_argument("--routing-policy", default="auto", choices=("auto", "prefix", "least-loaded", "round-robin"),
+                       help="how requests are sent to replicas: prefix (cached prefix against load; the auto "
+                            "choice), least-loaded or round-robin (default: %(default)s)")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)

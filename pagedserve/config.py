@@ -52,6 +52,13 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
     step_timeout: float = field(default=120.0, metadata={
         "help": "seconds without a step result before the workers count as hung and are replaced"})
+    worker_cpus: int = field(default=0, metadata={
+        "help": "logical CPUs each worker rank reserves from Ray, and its torch threads; 0: one reserved, "
+                "threads = the node's cores / tensor_parallel_size (a server with replicas splits the "
+                "cluster's CPUs among their ranks)"})
+    placement_node: str = field(default="", metadata={
+        "help": "Ray node id the worker group should be placed on if it fits there (a server spreads "
+                "its replicas this way); empty: wherever Ray places it"})
     max_worker_restarts: int = field(default=3, metadata={
         "help": "worker-group rebuilds allowed within restart_window before the engine fails for good"})
     restart_window: float = field(default=600.0, metadata={"help": "seconds over which max_worker_restarts counts"})
@@ -73,6 +80,7 @@ class EngineConfig:
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _at_least("worker_cpus", self.worker_cpus, 0)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) > 1 needs "
                              "distributed_executor_backend 'ray' or 'auto'; 'uni' runs one rank")

@@ -39,7 +39,7 @@ def _ray_token_auth_env(address: str | None) -> None:
                 pass
 
 
-def _connect_ray(address: str | None, tensor_parallel_size: int = 1) -> None:
+def _connect_ray(address: str | None, num_ranks: int = 1) -> None:
     """Start a local Ray (address None) or join a running cluster ('auto' or host:port)."""
     _ray_token_auth_env(address)
     import ray
@@ -48,17 +48,17 @@ def _connect_ray(address: str | None, tensor_parallel_size: int = 1) -> None:
 
     if address is None:
         # "local": a new cluster even when another runs on this machine; it ends with this process.
-        # At least one logical CPU per tensor-parallel rank, so that any size that divides the
-        # model can be placed here, oversubscribed or not.
-        cpus = max(os.cpu_count() or 1, tensor_parallel_size)
+        # At least one logical CPU per worker rank (every replica's), so that any size that
+        # divides the model can be placed here, oversubscribed or not.
+        cpus = max(os.cpu_count() or 1, num_ranks)
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
-def _connect_or_explain(address: str | None, tensor_parallel_size: int = 1) -> bool:
+def _connect_or_explain(address: str | None, num_ranks: int = 1) -> bool:
     try:
-        _connect_ray(address, tensor_parallel_size)
+        _connect_ray(address, num_ranks)
     except Exception as e:  # ConnectionError, AuthenticationError, ...
         hint = ""
         if address is not None:
@@ -119,7 +119,8 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
                          api_key=api_key, tls_cert=cert, tls_key=key, metrics_host=args.metrics_host,
                          metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics,
                          request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                         http=not args.no_http, http_host=args.http_host, http_port=args.http_port)
+                         http=not args.no_http, http_host=args.http_host, http_port=args.http_port,
+                         data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
@@ -129,7 +130,7 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         _err(f"error: {e}")
         return 2
     address = args.address or ("auto" if args.detach else None)
-    if not _connect_or_explain(address, config.tensor_parallel_size):
+    if not _connect_or_explain(address, config.tensor_parallel_size * server_options.data_parallel_size):
         return 1
     import ray
 

@@ -61,7 +61,8 @@ def server(ray_session, tiny_llama):
 
 
 def scrape(url: str) -> dict[str, dict]:
-    """name -> {"type": ..., "samples": {(sample name, labels without model_name): value}}"""
+    """name -> {"type": ..., "samples": {(sample name, labels without model_name): value}}; each
+    engine series is summed over its `replica` label (one replica here: its own value)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
@@ -69,7 +70,9 @@ def scrape(url: str) -> dict[str, dict]:
         for s in family.samples:
             labels = dict(s.labels)
             assert labels.pop("model_name")  # every series is labelled with the model
-            samples[(s.name, tuple(sorted(labels.items())))] = s.value
+            labels.pop("replica", None)
+            key = (s.name, tuple(sorted(labels.items())))
+            samples[key] = samples.get(key, 0.0) + s.value
         out[family.name] = {"type": family.type, "samples": samples}
     return out
 

@@ -36,7 +36,11 @@ class Executor(ABC):
 
     @abstractmethod
     def node_id(self) -> str | None:
-        """The Ray node all ranks run on (where the KV store must live), or None in process."""
+        """The Ray node of rank 0 (where the KV store lives), or None in process."""
+
+    def spans_nodes(self) -> bool:
+        """Whether the ranks run on more than one node (the KV store is then reached over gRPC)."""
+        return False
 
     @abstractmethod
     def worker_pids(self) -> list[int]:

@@ -18,6 +18,8 @@ import os
 import socket
 import time
 
+import logging
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -26,6 +28,8 @@ from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.step_plan import StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120
 
@@ -54,10 +58,12 @@ class WorkerActor:
 
         config = EngineConfig(**config)
         if config.device == "cpu":
-            # The bundle reserves one logical CPU so that servers can share a node; the threads
-            # take this rank's share of the node's cores (all of them at tensor_parallel_size 1).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            # With worker_cpus, as many threads as CPUs reserved (replicas split a node's cores).
+            # Else the bundle reserves one logical CPU so that servers can share a node, and the
+            # threads take this rank's share of the node's cores (all of them at TP 1).
+            torch.set_num_threads(config.worker_cpus or max(1, (os.cpu_count() or 1) // size))
         if size > 1:
+            _gloo_interface_of(ray.util.get_node_ip_address())
             backend = "nccl" if config.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
                                     rank=rank, world_size=size)
@@ -88,6 +94,29 @@ class WorkerActor:
         self.worker = None
 
 
+def _fits_one_node(size: int, bundle: dict) -> bool:
+    """Whether some live node of the cluster has `size` bundles' worth of each resource in all."""
+    for node in ray.nodes():
+        if node.get("Alive") and all(node.get("Resources", {}).get(name, 0) >= size * amount
+                                     for name, amount in bundle.items()):
+            return True
+    return False
+
+
+def _gloo_interface_of(ip: str) -> None:
+    """Point gloo at the interface that holds this node's `ip`. Gloo otherwise binds the address
+    the host name resolves to, which on a host with several network namespaces (or NICs) may be
+    one the peers cannot reach."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None,
                  previous: Executor | None = None):
@@ -107,13 +136,14 @@ class RayExecutor(Executor):
             # logical CPU per rank even where the ranks outnumber the cores.
             ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
         gpu = config.device == "cuda"
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        cpus = config.worker_cpus or 1
+        bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
         try:
             config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
             if taken is not None:
                 self.placement_group, self.workers = taken
             else:
-                self.placement_group = self._place(size, bundle)
+                self.placement_group = self._place(size, bundle, config.placement_node)
                 self.workers = [self._actor(rank, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))
                                 for rank in range(size)]
             address = ray.get(self.workers[0].rendezvous_address.remote())
@@ -131,13 +161,21 @@ class RayExecutor(Executor):
             raise
 
     @staticmethod
-    def _place(size: int, bundle: dict):
-        group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
+    def _place(size: int, bundle: dict, target_node: str = ""):
+        """The group's placement group: every rank on one node (STRICT_PACK, on `target_node` if
+        it fits there) when some node could hold them all, else packed on as few nodes as Ray can
+        (PACK): ranks on other nodes than rank 0 reach the KV store over gRPC."""
+        one_node = _fits_one_node(size, bundle)
+        if not one_node:
+            log.warning("no node of the Ray cluster holds %d bundles of %s: the tensor-parallel ranks span "
+                        "nodes", size, bundle)
+        group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK" if one_node else "PACK",
+                                _soft_target_node_id=(target_node or None) if one_node else None)
         ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(group)
             raise RuntimeError(
-                f"tensor_parallel_size={size} needs {size} bundles of {bundle} on one node; the "
+                f"tensor_parallel_size={size} needs {size} bundles of {bundle}; the "
                 f"Ray cluster could not place them in {PLACEMENT_TIMEOUT_S} s "
                 f"(cluster resources: {ray.cluster_resources()})")
         return group
@@ -196,8 +234,11 @@ class RayExecutor(Executor):
             raise WorkerFailedError(f"a worker failed a step: {e}") from e
 
     def node_id(self) -> str:
-        """The node every rank runs on (STRICT_PACK): where the KV store must live."""
+        """Rank 0's node: where the KV store lives."""
         return ray.get(self.workers[0].node_id.remote())
+
+    def spans_nodes(self) -> bool:
+        return len(set(ray.get([w.node_id.remote() for w in self.workers]))) > 1
 
     def worker_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
