@@ -22,7 +22,8 @@ Routing (`--routing-policy`):
   step of the engine, measured against prompt tokens in the same chunked step. So a long cached
   prefix wins unless its replica has that much more work queued. When in-flight counts are badly
   imbalanced (max - min > IMBALANCE_ABS and max > IMBALANCE_REL * min, SGLang's router's
-  trigger), the least loaded replica is taken whatever the prefixes say.
+  trigger), the least loaded replica is taken whatever the prefixes say. Ties go to the replica
+  that was sent fewer requests so far, so unrelated requests spread out.
 - `least-loaded`: fewest requests in flight (then fewest pending tokens, then fewest routed so far).
 - `round-robin`: in turn.
 
@@ -215,7 +216,7 @@ class Router:
     def shutdown_engines(self) -> None:
         """Release every replica's workers and KV store (blocking: call in a thread)."""
         for r in self.replicas:
-            r.engine.llm_engine.shutdown()
+            _shutdown_quietly(r.engine)
 
     # ---- routing ------------------------------------------------------------------------------
     def _any_serving(self) -> Replica:
@@ -232,9 +233,9 @@ class Router:
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
-    def choose(self, token_ids: list[int], exclude: frozenset[int] = frozenset()) -> tuple[Replica, int]:
+    def choose(self, token_ids: list[int]) -> tuple[Replica, int]:
         """(replica, prompt tokens it must compute) under the policy, among serving replicas."""
-        candidates = [r for r in self.replicas if r.serving and r.index not in exclude]
+        candidates = [r for r in self.replicas if r.serving]
         if not candidates:
             raise EngineDeadError("no replica can take the request now (workers restarting or replicas "
                                   "down); retry shortly", "", RuntimeError("no replica"), in_flight=False)
@@ -251,7 +252,7 @@ class Router:
         for r in candidates:
             uncached = len(token_ids) - self.block_size * self._matched_blocks(r, hashes)
             cost = uncached + r.pending_tokens + RUNNING_SEQ_TOKENS * r.in_flight
-            if best is None or cost < best_cost:
+            if best is None or cost < best_cost or (cost == best_cost and r.routed < best.routed):
                 best, best_cost, best_uncached = r, cost, uncached
         return best, best_uncached
 
@@ -275,11 +276,9 @@ class Router:
     async def _serve(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int,
                      expires: float | None, prompt: str | None, timeout: float | None) -> AsyncIterator[RequestOutput]:
         delivered: RequestOutput | None = None  # the last output the client got
-        tried: set[int] = set()
         run_ids, run_params = token_ids, params
-        while True:
-            replica, uncached = self.choose(run_ids, frozenset(tried))
-            tried.add(replica.index)
+        while True:  # once, or again on another replica after this one's engine stopped
+            replica, uncached = self.choose(run_ids)  # a stopped replica is out of routing
             self._remember_route(run_ids, replica)
             replica.routed += 1
             replica.in_flight += 1
@@ -318,7 +317,6 @@ class Router:
                                                      else params.max_tokens - len(done),
                                                      min_tokens=max(0, params.min_tokens - len(done)),
                                                      prompt_logprobs=None)
-                tried.discard(replica.index)  # only its death excludes it: choose() skips it while down
             finally:
                 replica.in_flight -= 1
                 if waiting_first:

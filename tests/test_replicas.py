@@ -131,6 +131,25 @@ def test_a_cancelled_stream_through_the_router_frees_its_blocks(two_replicas):
         assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
 
 
+def test_sampling_features_and_deadlines_work_the_same_through_the_router(two_replicas, offline):
+    _, target = two_replicas
+    prompt = [(5 * j) % 2000 + 3 for j in range(30)]
+    params = SamplingParams(n=2, seed=3, temperature=0.8, top_k=50, max_tokens=8, logprobs=2, ignore_eos=True)
+    expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs
+    with pagedserve.Client(target, timeout=60) as client:
+        got = client.generate_all(prompt, n=2, seed=3, temperature=0.8, top_k=50, max_tokens=8, logprobs=2,
+                                  ignore_eos=True)
+        assert [list(c.token_ids) for c in got] == [list(c.token_ids) for c in expected]
+        assert all(len(c.logprobs) == 8 for c in got)
+    with pagedserve.Client(target, timeout=0.5) as client:
+        with pytest.raises(pagedserve.ServingError) as info:
+            client.generate(prompt, max_tokens=900, temperature=0.0, ignore_eos=True)
+        assert info.value.code.name == "DEADLINE_EXCEEDED"
+    with pagedserve.Client(target, timeout=60) as client:
+        stats = _wait_idle(client)
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
 def test_round_robin_and_least_loaded_spread_sequential_requests_evenly(ray_session, tiny_llama, policy):
     config = EngineConfig(model=tiny_llama, **ENGINE)
