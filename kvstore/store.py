@@ -165,7 +165,9 @@ def _views(shm, layout: StoreLayout) -> tuple[np.ndarray, np.ndarray]:
 class KVStore:
     """Owns the segment. Runs as a Ray actor (`KVStoreActor`) beside Ray workers, or in process."""
 
-    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, transport: str = "shm"):
+    def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, transport: str = "shm",
+                 host: str = "127.0.0.1"):
+        """`host`: the address the gRPC service binds and workers dial (transport "grpc")."""
         if num_blocks < 1:
             raise ValueError(f"swap_space holds no KV block ({block_bytes * tp_size} bytes each)")
         if transport not in ("shm", "grpc"):
@@ -184,12 +186,13 @@ class KVStore:
 
             from kvstore.grpc_transport import serve
 
-            # Loopback: the store is always placed on its workers' node, so nothing else needs
-            # to reach it; and a per-store secret guards it even from this node's other users.
+            # A per-store secret guards it from anyone else who can reach `host` (this node's
+            # other users on loopback; the cluster's network on a node address).
             secret = secrets.token_urlsafe(32)
             self.layout = replace(self.layout, transport="grpc", secret=secret)
-            self._server, port = serve(self.layout, self._valid, self._crc, self._data, "127.0.0.1")
-            self.layout = replace(self.layout, grpc_address=f"127.0.0.1:{port}")
+            host = f"[{host}]" if ":" in host else host  # an IPv6 node address
+            self._server, port = serve(self.layout, self._valid, self._crc, self._data, host)
+            self.layout = replace(self.layout, grpc_address=f"{host}:{port}")
 
     def get_layout(self) -> StoreLayout:
         return self.layout
@@ -244,10 +247,14 @@ class StoreHandle:
 
         actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(KVStore)
         self._local = None
+        # gRPC on the node's address, not loopback: ranks on other nodes dial it (transport
+        # "auto" picks gRPC when the ranks span nodes).
+        host = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "127.0.0.1") \
+            if transport == "grpc" else "127.0.0.1"
         # Same node as the workers: they map the segment the store creates.
         self._actor = actor_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-            num_blocks, tp_size, block_bytes, transport)
+            num_blocks, tp_size, block_bytes, transport, host)
         self.layout = ray.get(self._actor.get_layout.remote())
         self._death = self._actor.wait_until_dead.remote()
 

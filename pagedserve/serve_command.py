@@ -196,12 +196,13 @@ def create_coordinator(config: EngineConfig, options: ServerOptions, detach: boo
 
     from coordinator.actor import ACTOR_NAME, NAMESPACE, CoordinatorActor, config_dict
 
-    actor_options = {"name": ACTOR_NAME, "namespace": NAMESPACE}
+    # Pinned to this node, detached or not: --host is an address of this node (127.0.0.1 by
+    # default), which another node cannot bind (a 0-CPU actor goes to any node of a cluster), and
+    # a restart must serve on it again, not wherever Ray finds room.
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor_options = {"name": ACTOR_NAME, "namespace": NAMESPACE, "scheduling_strategy": node}
     if detach:
-        # Pinned to this node: the server's address (127.0.0.1 by default) is this node's, and a
-        # restart must serve on it again, not wherever Ray finds room.
-        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actor_options.update(lifetime="detached", max_restarts=-1, scheduling_strategy=node)
+        actor_options.update(lifetime="detached", max_restarts=-1)
     return CoordinatorActor.options(**actor_options).remote(config_dict(config), options)
 
 

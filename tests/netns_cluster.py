@@ -17,6 +17,10 @@ Isolation from the test session's own Ray and from concurrent runs:
   of a crashed run are recognised by their dead owner and removed by the next run.
 
 Needs root and `ip` (iproute2); without them (or where `ip netns add` fails) the test is skipped.
+
+The namespaces and the bridge alone, without Ray, are `NamespaceNetwork` (what NamespaceCluster
+builds on): tests/test_cluster_launcher.py runs an sshd in each namespace and lets `ray up` start
+Ray there.
 """
 
 from __future__ import annotations
@@ -123,34 +127,31 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.213.X.0/24")
 
 
-class NamespaceCluster:
-    """A Ray cluster of `num_nodes` nodes, one per network namespace; a context manager.
+class NamespaceNetwork:
+    """`num_nodes` network namespaces joined by a bridge in the root namespace, nothing running in
+    them; a context manager (skips the test where namespaces cannot be made).
 
-    Attributes (once entered): `head_address` ("10.213.X.1:6379"), `node_ips` (node i's address),
-    `namespaces` (their names), `interfaces` (node i's interface name, inside its namespace),
-    `bridge_ip` (the root namespace's address on the bridge), `temp_dirs` (node i's Ray temp dir),
-    `env` (variables a process joining the cluster needs: the auth token).
+    Attributes (once entered): `node_ips` (node i's address, 10.213.X.(i+1)), `namespaces` (their
+    names), `interfaces` (node i's interface name, inside its namespace), `bridge_ip` (the root
+    namespace's address on the bridge, 10.213.X.254), `env` (variables run_in_node/run add: none
+    here).
     """
 
-    def __init__(self, num_nodes: int = 2, cpus_per_node: int = 1, subnet: str | None = None,
-                 object_store_memory: int = 80 * 2**20, start_timeout: float = 120):
+    def __init__(self, num_nodes: int = 2, subnet: str | None = None):
         assert 1 <= num_nodes <= 253
-        self.num_nodes, self.cpus_per_node = num_nodes, cpus_per_node
-        self.object_store_memory, self.start_timeout = object_store_memory, start_timeout
+        self.num_nodes = num_nodes
         self._subnet = ipaddress.ip_network(subnet) if subnet else None
         assert self._subnet is None or self._subnet.prefixlen == 24, "a /24: the bridge is .254"
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.namespaces = [f"{PREFIX}{tag}-{i}" for i in range(num_nodes)]
         self.interfaces = [f"vnode{i}" for i in range(num_nodes)]
         self._bridge = f"psbr{tag.split('-')[1]}"  # at most 15 characters
-        self._work: Path | None = None
         self._started: list[subprocess.Popen] = []
-        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env: dict[str, str] = {}
 
     # -- set up / tear down ------------------------------------------------------------------
 
-    def __enter__(self) -> NamespaceCluster:
+    def __enter__(self) -> NamespaceNetwork:
         if os.geteuid() != 0:
             pytest.skip("network namespaces need root")
         if not shutil.which("ip"):
@@ -161,7 +162,7 @@ class NamespaceCluster:
             pytest.skip(f"cannot create a network namespace: {probe.stderr.strip()}")
         try:
             self._network()
-            self._start_ray()
+            self._setup()
         except BaseException:
             self.close()
             raise
@@ -170,12 +171,14 @@ class NamespaceCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _setup(self) -> None:
+        """What a subclass starts once the network is up (nothing here)."""
+
     def _network(self) -> None:
         net = self._subnet or _free_subnet()
         hosts = list(net.hosts())
         self.node_ips = [str(hosts[i]) for i in range(self.num_nodes)]
         self.bridge_ip = str(hosts[253])  # .254
-        self.head_address = f"{self.node_ips[0]}:{RAY_PORT}"
         _ip("link", "add", self._bridge, "type", "bridge")
         _ip("link", "set", self._bridge, "alias", f"{ALIAS}{os.getpid()}")
         _ip("addr", "add", f"{self.bridge_ip}/{net.prefixlen}", "dev", self._bridge)
@@ -191,6 +194,67 @@ class NamespaceCluster:
             _ip("-n", ns, "link", "set", self.interfaces[i], "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
+    def close(self) -> None:
+        """Kill everything in our namespaces, then delete them and the bridge."""
+        _remove_namespaces(self.namespaces)
+        for proc in self._started:  # reap our direct children (all dead now)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        _ip("link", "delete", self._bridge, check=False)
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def node_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """This process's environment, less its Ray address and auth, plus `env`."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+        return {**env, **self.env, **(extra or {})}
+
+    def run_in_node(self, i: int, cmd: list[str], env: dict[str, str] | None = None,
+                    **popen_kwargs) -> subprocess.Popen:
+        """Start `cmd` inside node i's namespace. `env`: variables on top of this process's
+        environment and `env`. The process is killed when the network closes."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *cmd], env=self.node_env(env),
+                                **{"stdin": subprocess.DEVNULL, **popen_kwargs})
+        self._started.append(proc)
+        return proc
+
+    def run(self, i: int, cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None) \
+            -> subprocess.CompletedProcess:
+        """Run `cmd` in node i's namespace to its end; its output as text."""
+        return subprocess.run(["ip", "netns", "exec", self.namespaces[i], *cmd], env=self.node_env(env),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+    def processes(self, i: int) -> list[psutil.Process]:
+        """Every process inside node i's namespace (Ray's and those of run_in_node)."""
+        ino = _netns_inode(self.namespaces[i])
+        return _processes_in({ino}) if ino is not None else []
+
+
+class NamespaceCluster(NamespaceNetwork):
+    """A Ray cluster of `num_nodes` nodes, one per network namespace; a context manager.
+
+    Attributes (once entered): those of NamespaceNetwork, and `head_address` ("10.213.X.1:6379"),
+    `temp_dirs` (node i's Ray temp dir), `env` (variables a process joining the cluster needs: the
+    auth token).
+    """
+
+    def __init__(self, num_nodes: int = 2, cpus_per_node: int | list[int] = 1, subnet: str | None = None,
+                 object_store_memory: int = 80 * 2**20, start_timeout: float = 120):
+        super().__init__(num_nodes, subnet)
+        # One count for every node, or node i's (a head with more room than the others).
+        self.cpus_per_node = [cpus_per_node] * num_nodes if isinstance(cpus_per_node, int) else list(cpus_per_node)
+        assert len(self.cpus_per_node) == num_nodes
+        self.object_store_memory, self.start_timeout = object_store_memory, start_timeout
+        self._work: Path | None = None
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def _setup(self) -> None:
+        self.head_address = f"{self.node_ips[0]}:{RAY_PORT}"
+        self._start_ray()
+
     def _ray_start(self, i: int) -> subprocess.Popen:
         # Short paths: Ray's unix sockets live in the temp dir (at most 107 bytes).
         temp = self._work / f"n{i}"
@@ -198,7 +262,7 @@ class NamespaceCluster:
         role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 \
             else [f"--address={self.head_address}"]  # (which refuses --include-dashboard)
         args = [str(VENV_BIN / "ray"), "start", *role, f"--node-ip-address={self.node_ips[i]}",
-                f"--num-cpus={self.cpus_per_node}", f"--object-store-memory={self.object_store_memory}",
+                f"--num-cpus={self.cpus_per_node[i]}", f"--object-store-memory={self.object_store_memory}",
                 f"--temp-dir={temp}", "--disable-usage-stats"]
         # All nodes start at once: a worker waits for the head's GCS this long (by default 20 s).
         env = {"RAY_TMPDIR": str(temp), "RAY_gcs_server_port_wait_time_s": str(int(self.start_timeout))}
@@ -225,37 +289,11 @@ class NamespaceCluster:
 
     def close(self) -> None:
         """Kill everything in our namespaces, then delete them, the bridge and the temp dirs."""
-        _remove_namespaces(self.namespaces)
-        for proc in self._started:  # reap our direct children (all dead now)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        _ip("link", "delete", self._bridge, check=False)
+        super().close()
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
 
     # -- use ---------------------------------------------------------------------------------
-
-    def node_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """This process's environment, less its Ray address and auth, plus the cluster's `env`."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-        return {**env, **self.env, **(extra or {})}
-
-    def run_in_node(self, i: int, cmd: list[str], env: dict[str, str] | None = None,
-                    **popen_kwargs) -> subprocess.Popen:
-        """Start `cmd` inside node i's namespace. `env`: variables on top of this process's
-        environment and the cluster's `env`. The process is killed when the cluster closes."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *cmd], env=self.node_env(env),
-                                **{"stdin": subprocess.DEVNULL, **popen_kwargs})
-        self._started.append(proc)
-        return proc
-
-    def run(self, i: int, cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None) \
-            -> subprocess.CompletedProcess:
-        """Run `cmd` in node i's namespace to its end; its output as text."""
-        return subprocess.run(["ip", "netns", "exec", self.namespaces[i], *cmd], env=self.node_env(env),
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
     def alive_nodes(self) -> int:
         """Alive nodes by `ray status`, run on the head node (0 while it cannot answer)."""
@@ -266,11 +304,6 @@ class NamespaceCluster:
         active = result.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
         return sum(int(line.split()[0]) for line in active.splitlines()
                    if line.strip() and line.split()[0].isdigit() and "node_" in line)
-
-    def processes(self, i: int) -> list[psutil.Process]:
-        """Every process inside node i's namespace (Ray's and those of run_in_node)."""
-        ino = _netns_inode(self.namespaces[i])
-        return _processes_in({ino}) if ino is not None else []
 
     def kill_raylet(self, i: int) -> int:
         """SIGKILL node i's raylet (as a crashed machine's would die); returns its pid."""

@@ -21,7 +21,9 @@ from __future__ import annotations
 import copy
 import getpass
 import hashlib
+import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -253,27 +255,103 @@ def _non_sshd(processes):
     return [(pid, cmd) for pid, cmd in processes if not cmd.startswith("sshd")]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20) -> None:
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"sshd exited ({proc.returncode}):\n{log.read_text()}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            socket.create_connection((host, port), timeout=1).close()
             return
         except OSError:
             time.sleep(0.2)
-    raise AssertionError(f"sshd not listening on 127.0.0.1:{port}:\n{log.read_text()}")
+    raise AssertionError(f"sshd not listening on {host}:{port}:\n{log.read_text()}")
 
 
-def _run_ray(args: list[str], env: dict, log: Path, timeout: float) -> None:
+def _run_ray(args: list[str], env: dict, log: Path, timeout: float) -> str:
+    """Run the launcher's `ray <args>`, its output appended to `log`; returns that output."""
     with open(log, "ab") as out:
         out.write(f"\n$ ray {' '.join(args)}\n".encode())
         out.flush()
+        start = out.tell()
         result = subprocess.run([str(VENV_BIN / "ray"), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"ray {args[0]} failed ({result.returncode}):\n{log.read_text()[-6000:]}")
+    with open(log, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+def _ssh_keys(work: Path, comment: str) -> None:
+    """work/host_key (sshd's) and work/id (the client's, which work/authorized_keys admits)."""
+    for name in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f",
+                        str(work / name)], check=True)
+    shutil.copy(work / "id.pub", work / "authorized_keys")
+
+
+def _write_sshd_config(path: Path, listen: str, work: Path, home: Path) -> None:
+    """An sshd that admits this user with work/id on `listen` (host:port) only, and gives the
+    login `home` as HOME."""
+    path.write_text("\n".join([
+        f"ListenAddress {listen}",
+        f"HostKey {work / 'host_key'}",
+        f"PidFile {path.with_suffix('.pid')}",
+        f"AuthorizedKeysFile {work / 'authorized_keys'}",
+        f"AllowUsers {getpass.getuser()}",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PermitRootLogin prohibit-password",
+        "UsePAM no",
+        "StrictModes no",  # the key files sit under /tmp, which is group/world writable
+        "PrintMotd no",
+        "PrintLastLog no",
+        f"SetEnv HOME={home}",
+        "",
+    ]))
+
+
+def _sshd_command(sshd: str, config: Path) -> list[str]:
+    """sshd in the foreground as init of a PID namespace of its own (see the module's notes)."""
+    return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sshd, "-D", "-e", "-f", str(config)]
+
+
+def _kill_sshd(proc: subprocess.Popen) -> None:
+    # SIGKILL to unshare: --kill-child kills sshd, the namespace's init, and with it every
+    # process left in the namespace.
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _make_privsep() -> bool:
+    """sshd refuses to start without its privilege-separation folder; True when made here."""
+    privsep = Path("/run/sshd")
+    if privsep.exists():
+        return False
+    privsep.mkdir(mode=0o755)
+    return True
+
+
+def _remove_privsep() -> None:
+    try:
+        Path("/run/sshd").rmdir()
+    except OSError:
+        pass
+
+
+def _remove_ssh_control_dir(cluster_name: str) -> None:
+    """ssh's connection-sharing sockets for this cluster name (a folder only it uses)."""
+    from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
+
+    user_hash = hashlib.sha256(getpass.getuser().encode()).hexdigest()[:HASH_MAX_LENGTH]
+    cluster_hash = hashlib.sha256(cluster_name.encode()).hexdigest()[:HASH_MAX_LENGTH]
+    shutil.rmtree(f"/tmp/ray_ssh_{user_hash}/{cluster_hash}", ignore_errors=True)
+    try:
+        os.rmdir(f"/tmp/ray_ssh_{user_hash}")  # only when no other cluster uses it
+    except OSError:
+        pass
 
 
 def _wait_healthy(target: str, timeout: float = 120) -> None:
@@ -299,33 +377,13 @@ def test_ray_up_and_down_over_ssh(tiny_llama):
     raytmp.mkdir()
     ssh_port, ray_port, client_port, agent_port, dashboard_port, serve_port = _free_ports(6)
     cluster_name = f"pagedserve-test-{uuid.uuid4().hex[:8]}"
-    privsep = Path("/run/sshd")  # sshd refuses to start without its privilege-separation folder
-    own_privsep = not privsep.exists()
+    own_privsep = False
     sshd_proc = None
     log = work / "launcher.log"
     try:
         # Keys made here: the host key, and the client key that authorized_keys admits.
-        for name in ("host_key", "id"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", cluster_name, "-f",
-                            str(work / name)], check=True)
-        shutil.copy(work / "id.pub", work / "authorized_keys")
-        (work / "sshd_config").write_text("\n".join([
-            f"ListenAddress 127.0.0.1:{ssh_port}",
-            f"HostKey {work / 'host_key'}",
-            f"PidFile {work / 'sshd.pid'}",
-            f"AuthorizedKeysFile {work / 'authorized_keys'}",
-            f"AllowUsers {getpass.getuser()}",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "PermitRootLogin prohibit-password",
-            "UsePAM no",
-            "StrictModes no",  # the key files sit under /tmp, which is group/world writable
-            "PrintMotd no",
-            "PrintLastLog no",
-            f"SetEnv HOME={home}",
-            "",
-        ]))
+        _ssh_keys(work, cluster_name)
+        _write_sshd_config(work / "sshd_config", f"127.0.0.1:{ssh_port}", work, home)
         start_flags = (f"--port={ray_port} --ray-client-server-port={client_port} "
                        f"--dashboard-agent-listen-port={agent_port} --dashboard-port={dashboard_port} "
                        "--include-dashboard=false "
@@ -352,13 +410,10 @@ def test_ray_up_and_down_over_ssh(tiny_llama):
         rendered = work / "cluster.yaml"
         rendered.write_text(yaml.safe_dump(config, sort_keys=False))
 
-        if own_privsep:
-            privsep.mkdir(mode=0o755)
+        own_privsep = _make_privsep()
         with open(work / "sshd.log", "wb") as sshd_log:
-            sshd_proc = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sshd, "-D", "-e",
-                 "-f", str(work / "sshd_config")],
-                stdin=subprocess.DEVNULL, stdout=sshd_log, stderr=subprocess.STDOUT)
+            sshd_proc = subprocess.Popen(_sshd_command(sshd, work / "sshd_config"),
+                                         stdin=subprocess.DEVNULL, stdout=sshd_log, stderr=subprocess.STDOUT)
         _wait_port(ssh_port, sshd_proc, work / "sshd.log")
         namespace = os.readlink(f"/proc/{sshd_proc.pid}/ns/pid_for_children")
 
@@ -405,23 +460,183 @@ def test_ray_up_and_down_over_ssh(tiny_llama):
         print(f"ray up {up_seconds:.1f} s, ray down {down_seconds:.1f} s")
     finally:
         if sshd_proc is not None:
-            # SIGKILL to unshare: --kill-child kills sshd, the namespace's init, and with it every
-            # process left in the namespace.
-            sshd_proc.send_signal(signal.SIGKILL)
-            sshd_proc.wait(timeout=30)
+            _kill_sshd(sshd_proc)
         if own_privsep:
-            try:
-                privsep.rmdir()
-            except OSError:
-                pass
-        # ssh's connection-sharing sockets for this cluster name (a folder only it uses).
-        from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
-
-        user_hash = hashlib.sha256(getpass.getuser().encode()).hexdigest()[:HASH_MAX_LENGTH]
-        cluster_hash = hashlib.sha256(cluster_name.encode()).hexdigest()[:HASH_MAX_LENGTH]
-        shutil.rmtree(f"/tmp/ray_ssh_{user_hash}/{cluster_hash}", ignore_errors=True)
-        try:
-            os.rmdir(f"/tmp/ray_ssh_{user_hash}")  # only when no other cluster uses it
-        except OSError:
-            pass
+            _remove_privsep()
+        _remove_ssh_control_dir(cluster_name)
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real `ray up` / `ray down` of a two-machine cluster: head and worker, each a network namespace
+# (tests/netns_cluster.py) with an sshd of its own
+
+# Run on the head through `ray exec`: the cluster's alive nodes, by IP.
+_ALIVE_NODES = """\
+import json
+import ray
+ray.init(address="auto", log_to_driver=False)
+print("ALIVE_NODES " + json.dumps(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+"""
+
+# Seconds a worker node's raylet keeps trying to reach a GCS that is gone before it exits (Ray's
+# default is 60): `ray down` stops only the head (see the test), the worker then ends by itself.
+_WORKER_GCS_TIMEOUT_S = 15
+
+
+def _alive_nodes(rendered: Path, env: dict, log: Path) -> list[str]:
+    out = _run_ray(["exec", str(rendered), "python ~/alive_nodes.py"], env, log, timeout=120)
+    lines = [line for line in out.splitlines() if line.startswith("ALIVE_NODES ")]
+    assert lines, f"no ALIVE_NODES line in the output of ray exec:\n{out[-3000:]}"
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def _wait_empty(namespace: str, timeout: float) -> list[tuple[int, str]]:
+    """Wait until only sshd is left in the PID namespace; what else is left after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (left := _non_sshd(_namespace_processes(namespace))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.mark.timeout(600)
+def test_ray_up_and_down_of_two_machines(tiny_llama):
+    """`ray up` of deploy/cluster.local.yaml with head_ip and one worker_ips entry, each a network
+    namespace (10.213.X.1 and .2, joined by a bridge whose .254 is this, the root, namespace) with
+    its own sshd on port 22, each sshd in its own PID namespace (`ray stop` on a machine sees only
+    that machine's processes) and its own HOME. `ray up`, run here, sets up the head over ssh; the
+    autoscaler on the head then sets up the worker over ssh (setup and worker_start_ray_commands:
+    `ray start --address=$RAY_HEAD_IP:6379`). Both machines' ~/.profile export the same Ray auth
+    token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN): a worker that joins with no token, or another one,
+    is refused by a head with token auth.
+    """
+    from tests.netns_cluster import NamespaceNetwork
+
+    sshd = _ensure_tools()
+    work = Path(tempfile.mkdtemp(prefix="ps-up2-", dir="/tmp"))
+    work.chmod(0o700)
+    cluster_name = f"pagedserve-test-{uuid.uuid4().hex[:8]}"
+    log = work / "launcher.log"
+    sshd_procs: list[subprocess.Popen] = []
+    own_privsep = False
+    try:
+        with NamespaceNetwork(num_nodes=2) as net:
+            try:
+                head_ip, worker_ip = net.node_ips
+                _ssh_keys(work, cluster_name)
+                (work / "alive_nodes.py").write_text(_ALIVE_NODES)
+                token = secrets.token_hex(32)
+                serve_port = 50051  # each machine has its own ports
+                start_flags = (f"--node-ip-address={head_ip} --include-dashboard=false "
+                               f"--num-cpus=4 --object-store-memory={100 * 2**20}")
+                serve_flags = f"--model {tiny_llama} --host {head_ip} --port {serve_port} --kv-cache-memory 16777216"
+                namespaces = []
+                own_privsep = _make_privsep()
+                for i, (ip, role) in enumerate([(head_ip, "head"), (worker_ip, "worker")]):
+                    home, raytmp = work / f"home-{role}", work / f"rt{i}"
+                    home.mkdir()
+                    raytmp.mkdir()
+                    profile = [
+                        f"export PATH={shlex.quote(str(VENV_BIN))}:\"$PATH\"",
+                        f"export RAY_TMPDIR={raytmp}",
+                        "export RAY_USAGE_STATS_ENABLED=0",
+                        "export RAY_AUTH_MODE=token",
+                        f"export RAY_AUTH_TOKEN={token}",
+                    ]
+                    if role == "head":
+                        # Without a default route Ray would take 127.0.0.1 for the head's address;
+                        # a worker finds its own by the route to the head.
+                        profile += [f"export PAGEDSERVE_RAY_START_FLAGS={shlex.quote(start_flags)}",
+                                    f"export PAGEDSERVE_SERVE_FLAGS={shlex.quote(serve_flags)}"]
+                    else:
+                        profile.append(f"export RAY_gcs_rpc_server_reconnect_timeout_s={_WORKER_GCS_TIMEOUT_S}")
+                    (home / ".profile").write_text("\n".join([*profile, 'cd "$HOME"', ""]))
+                    (home / ".bashrc").write_text("# Ray sources ~/.bashrc before each command; nothing to do here\n")
+                    shutil.copy(work / "alive_nodes.py", home / "alive_nodes.py")
+                    sshd_config = work / f"sshd_config_{role}"
+                    _write_sshd_config(sshd_config, f"{ip}:22", work, home)
+                    with open(work / f"sshd-{role}.log", "wb") as sshd_log:
+                        sshd_procs.append(net.run_in_node(i, _sshd_command(sshd, sshd_config),
+                                                          stdout=sshd_log, stderr=subprocess.STDOUT))
+                    _wait_port(22, sshd_procs[-1], work / f"sshd-{role}.log", host=ip)
+                    namespaces.append(os.readlink(f"/proc/{sshd_procs[-1].pid}/ns/pid_for_children"))
+                head_ns, worker_ns = namespaces
+
+                # The committed file with this cluster's machines, user and key; one worker, always.
+                config = _load(LOCAL_YAML)
+                config["cluster_name"] = cluster_name
+                config["min_workers"] = config["max_workers"] = 1
+                config["provider"].update(head_ip=head_ip, worker_ips=[worker_ip])
+                config["auth"] = {"ssh_user": getpass.getuser(), "ssh_private_key": str(work / "id")}
+                checked = _ray_checked(config)
+                node_type = checked["available_node_types"][checked["head_node_type"]]
+                assert (node_type["min_workers"], node_type["max_workers"]) == (1, 1), node_type
+                rendered = work / "cluster.yaml"
+                rendered.write_text(yaml.safe_dump(config, sort_keys=False))
+
+                # The launcher's local state goes under `work`; no Ray address or auth of this process.
+                env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+                env.update(RAY_TMPDIR=str(work / "rt-local"), TMPDIR=str(work), RAY_USAGE_STATS_ENABLED="0")
+                started = time.monotonic()
+                _run_ray(["up", "-y", "--no-config-cache", str(rendered)], env, log, timeout=300)
+                up_seconds = time.monotonic() - started
+
+                head_running = " ".join(cmd for _, cmd in _namespace_processes(head_ns))
+                assert "gcs_server" in head_running and "raylet" in head_running, head_running
+
+                # `ray up` returns once the head is up; the head's autoscaler then starts the worker.
+                deadline = time.monotonic() + float(os.environ.get('PS_DEBUG_WAIT', 150))
+                while "raylet" not in " ".join(cmd for _, cmd in _namespace_processes(worker_ns)):
+                    assert time.monotonic() < deadline, \
+                        f"no raylet on the worker {150:.0f} s after ray up; the head's autoscaler log:\n" \
+                        + _autoscaler_log(work / "rt0")
+                    time.sleep(1)
+                while (alive := _alive_nodes(rendered, env, log)) != sorted([head_ip, worker_ip]):
+                    assert time.monotonic() < deadline, f"alive nodes {alive}, not the head and the worker"
+                    time.sleep(2)
+                joined_seconds = time.monotonic() - started
+
+                from pagedserve import Client
+
+                target = f"{head_ip}:{serve_port}"  # from the root namespace, over the bridge
+                _wait_healthy(target)
+                with Client(target, timeout=60) as client:
+                    completion = client.generate([1, 2, 3], max_tokens=4, temperature=0)
+                assert 1 <= len(completion.token_ids) <= 4 and completion.finish_reason, completion
+
+                started = time.monotonic()
+                _run_ray(["down", "-y", str(rendered)], env, log, timeout=180)
+                down_seconds = time.monotonic() - started
+
+                # `ray down` runs `ray stop` on the head only (for the local provider it marks the
+                # workers terminated in a state file, nothing more); the worker's raylet exits when it
+                # has not reached the head's GCS for _WORKER_GCS_TIMEOUT_S, and its agents with it.
+                left = _wait_empty(head_ns, 30)
+                assert not left, "Ray still running on the head after ray down:\n" \
+                    + "\n".join(f"{p} {c[:200]}" for p, c in left)
+                with pytest.raises(OSError):
+                    socket.create_connection((head_ip, serve_port), timeout=2).close()
+                left = _wait_empty(worker_ns, _WORKER_GCS_TIMEOUT_S + 45)
+                assert not left, "Ray still running on the worker after ray down:\n" \
+                    + "\n".join(f"{p} {c[:200]}" for p, c in left)
+                worker_gone_seconds = time.monotonic() - started
+                print(f"ray up {up_seconds:.1f} s, worker joined {joined_seconds:.1f} s after ray up began, "
+                      f"ray down {down_seconds:.1f} s, worker gone {worker_gone_seconds:.1f} s after ray down began")
+            finally:
+                # First the sshds (each ends its PID namespace, all in it), then `net` kills
+                # whatever else is in the network namespaces and deletes them and the bridge.
+                for proc in sshd_procs:
+                    if proc.poll() is None:
+                        _kill_sshd(proc)
+    finally:
+        if own_privsep:
+            _remove_privsep()
+        _remove_ssh_control_dir(cluster_name)
+        if not os.environ.get("PS_DEBUG_KEEP"):  # DEBUG-TEMP
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _autoscaler_log(raytmp: Path) -> str:
+    """The tail of the head's autoscaler log (monitor.*), for a failure message."""
+    logs = sorted({p.resolve() for p in raytmp.rglob("monitor.*")})
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs) or "(none)"

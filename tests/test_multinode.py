@@ -7,14 +7,22 @@ namespace 0, as a driver on the head machine of a real cluster would be.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import queue
 import socket
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.netns_cluster import NamespaceCluster
+import pagedserve
+from tests.netns_cluster import VENV_BIN, NamespaceCluster
+from tests.test_model_correctness import _prompts
 
 pytestmark = pytest.mark.timeout(300)  # a cluster starts in 15-30 s on 2 busy cores
 
@@ -88,9 +96,10 @@ print(json.dumps({"default": tries[False], "ifname": tries[True]}))
 """
 
 
-def _driver(cluster: NamespaceCluster, script: str, timeout: float = 180):
-    """Run `script` as a Ray driver in node 0's namespace; its last stdout line, as JSON."""
-    result = cluster.run(0, [sys.executable, "-c", script, cluster.head_address], timeout=timeout)
+def _driver(cluster: NamespaceCluster, script: str, *args: str, timeout: float = 180):
+    """Run `script` as a Ray driver in node 0's namespace (argv: the head's address, `args`); its
+    last stdout line, as JSON."""
+    result = cluster.run(0, [sys.executable, "-c", script, cluster.head_address, *args], timeout=timeout)
     assert result.returncode == 0, f"driver failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -130,3 +139,131 @@ def test_gloo_all_reduce_across_nodes_needs_the_nodes_interface():
         assert [r.get("sum") for r in out] == [[3.0, 20.0], [3.0, 20.0]], out
         assert [r["ip"] for r in out] == cluster.node_ips
         assert [r["ifname"] for r in out] == cluster.interfaces
+
+
+# ---- `pagedserve serve` on the namespace cluster, driven from the root namespace over gRPC ----
+
+# argv: the head's address, the number of replicas. Prints each replica's worker pids (rank order)
+# as the coordinator reports them.
+WORKER_PIDS = """
+import json, sys
+import ray
+
+ray.init(address=sys.argv[1], namespace="pagedserve", log_to_driver=False)
+actor = ray.get_actor("pagedserve-coordinator")
+print(json.dumps([ray.get(actor.worker_pids.remote(r), timeout=60) for r in range(int(sys.argv[2]))]))
+"""
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers x K/V x tokens x KV heads x head dim x fp32
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+@contextlib.contextmanager
+def _pagedserve_serve(cluster: NamespaceCluster, model: str, log: Path, *flags: str, timeout: float = 240):
+    """`pagedserve serve` as a user starts it on the head machine: in node 0's namespace, joining
+    the cluster, gRPC on node 0's address. Yields its target ("ip:port", the port it printed once
+    it serves; the test process reaches it over the bridge). Ends it with SIGTERM (it drains and
+    stops its actor), or SIGKILL if that hangs; the cluster's close kills whatever is left."""
+    cmd = [str(VENV_BIN / "pagedserve"), "serve", "--address", cluster.head_address, "--model", model,
+           "--host", cluster.node_ips[0], "--port", "0", "--no-http", "--no-metrics", *flags]
+    with open(log, "w") as err:
+        proc = cluster.run_in_node(0, cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        lines: queue.Queue[str] = queue.Queue()  # stdout has one line: "serving <model> on <host>:<port>"
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")], daemon=True).start()
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            line = ""
+        assert line.startswith("serving "), f"pagedserve serve did not serve ({line!r}):\n{_tail(log)}"
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _offline(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the offline API in this process (one worker, a roomy pool: no preemption)."""
+    params = pagedserve.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with pagedserve.LLM(model, kv_cache_memory=1 << 24) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _generate_concurrently(target: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    async def run():
+        async with pagedserve.AsyncClient(target, timeout=180) as client:
+            return await asyncio.gather(*(client.generate(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                                          for p in prompts))
+
+    return [list(c.token_ids) for c in asyncio.run(run())]
+
+
+def _node_of(cluster: NamespaceCluster, pid: int) -> int:
+    """Which node's namespace process `pid` runs in (the pid namespace is shared)."""
+    for i in range(cluster.num_nodes):
+        if pid in {p.pid for p in cluster.processes(i)}:
+            return i
+    raise AssertionError(f"process {pid} is in none of the cluster's namespaces")
+
+
+def _titled(cluster: NamespaceCluster, i: int, title: str) -> list[int]:
+    """Pids of node i's processes whose title (Ray's workers set theirs) starts with `title`."""
+    pids = []
+    for proc in cluster.processes(i):
+        try:
+            if " ".join(proc.cmdline()).startswith(title):
+                pids.append(proc.pid)
+        except Exception:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_two_replicas_serve_from_two_nodes(tiny_llama, tmp_path):
+    """`--data-parallel-size 2` on two 1-CPU nodes: a replica per node, the offline tokens from
+    either, round-robin sends both some of the requests."""
+    prompts = [[(97 * i + 13 * j) % 4000 + 5 for j in range(8 + 5 * i)] for i in range(6)]
+    expected = _offline(tiny_llama, prompts, 8)
+    with NamespaceCluster(num_nodes=2, cpus_per_node=1) as cluster, \
+            _pagedserve_serve(cluster, tiny_llama, tmp_path / "serve.log", "--data-parallel-size", "2",
+                              "--routing-policy", "round-robin", "--kv-cache-memory", str(1 << 22)) as target:
+        replicas = _driver(cluster, WORKER_PIDS, "2")
+        nodes = [{_node_of(cluster, pid) for pid in pids} for pids in replicas]
+        assert nodes in ([{0}, {1}], [{1}, {0}]), nodes  # each replica's worker on a node of its own
+        assert _generate_concurrently(target, prompts, 8) == expected
+        with pagedserve.Client(target, timeout=60) as client:
+            stats = client.stats()
+    assert stats["num_replicas"] == 2 and stats["replicas_serving"] == 2
+    assert stats["replica.0.routed"] > 0 and stats["replica.1.routed"] > 0
+    assert stats["replica.0.routed"] + stats["replica.1.routed"] == len(prompts)
+
+
+def test_tensor_parallel_ranks_on_two_nodes_swap_through_the_kv_store_over_grpc(tiny_llama, tmp_path):
+    """`--tensor-parallel-size 2` where no node holds both ranks (1 CPU each): the ranks span the
+    nodes (gloo on the nodes' interfaces), the KV store runs on rank 0's node and, with a pool of
+    24 blocks for 10 concurrent sequences, swapped blocks go to it over gRPC, from both ranks;
+    the tokens are the offline ones."""
+    prompts = _prompts(10, seed=21, high=60)
+    expected = _offline(tiny_llama, prompts, 24)
+    tight = 24 * BLOCK_BYTES // 2  # 24 blocks: each rank holds one of the two KV heads
+    with NamespaceCluster(num_nodes=2, cpus_per_node=1) as cluster, \
+            _pagedserve_serve(cluster, tiny_llama, tmp_path / "serve.log", "--tensor-parallel-size", "2",
+                              "--kv-cache-memory", str(tight), "--swap-space", "0.01", "--preemption-mode", "swap",
+                              "--max-num-batched-tokens", "64") as target:
+        (ranks,) = _driver(cluster, WORKER_PIDS, "1")
+        nodes = [_node_of(cluster, pid) for pid in ranks]
+        assert sorted(nodes) == [0, 1]
+        assert [i for i in range(2) for _ in _titled(cluster, i, "ray::KVStore")] == [nodes[0]]
+        assert _generate_concurrently(target, prompts, 24) == expected
+        with pagedserve.Client(target, timeout=60) as client:
+            stats = client.stats()
+    assert stats["kv_blocks_total"] == 24
+    assert stats["num_swap_preemptions"] > 0 and stats["swap_out_bytes"] > 0
+    assert stats["swap_in_bytes"] == stats["swap_out_bytes"] and stats["worker_restarts"] == 0
