@@ -322,13 +322,16 @@ def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
     """Each replica's config: its worker group placed on a node of its own while the cluster's
     nodes last (round robin over nodes that can hold a whole group), and on CPU, unless set,
     `worker_cpus` splitting the cluster's free CPUs evenly among every replica's ranks (two
-    replicas on a 2-core node: one core, one torch thread, each)."""
+    replicas on a 2-core node: one core, one torch thread, each), less where the nodes could not
+    hold every group at that size (a 3-CPU and a 1-CPU node: one CPU each, not two)."""
     tp = config.tensor_parallel_size
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     cpus = config.worker_cpus
     if cpus == 0 and config.device == "cpu":
         free = int(ray.available_resources().get("CPU", 0))
         cpus = max(1, free // (replicas * tp))
+        while cpus > 1 and sum(int(n.get("Resources", {}).get("CPU", 0)) // (tp * cpus) for n in nodes) < replicas:
+            cpus -= 1
     need = tp * max(1, cpus)
     roomy = sorted((n for n in nodes if n.get("Resources", {}).get("CPU", 0) >= need),
                    key=lambda n: -n.get("Resources", {}).get("CPU", 0))

@@ -14,6 +14,13 @@ this venv's bin on the PATH: a login shell (`bash --login`, which Ray uses) read
 which resets PATH, and then ~/.profile. Ray's `auth` has no ssh port setting, so the launcher
 reaches the free port through a ProxyCommand (a small relay script). Apart from installing the Debian packages when they are
 missing (openssh-server, rsync) and sshd's /run/sshd, nothing is written outside a temp folder.
+
+A second real run makes a cluster of two machines: head_ip and one of worker_ips, each a network
+namespace (tests/netns_cluster.py's NamespaceNetwork: 10.213.X.1 and .2 on a bridge) with an sshd
+on its own port 22, each in its own PID namespace as above. There the login's home comes from a
+copy of /etc/passwd bind-mounted in sshd's mount namespace (not SetEnv): the head's autoscaler
+runs `ssh -i ~/ray_bootstrap_key.pem`, and ssh takes `~` from the passwd entry. Nothing is written
+outside a temp folder there either (and the namespaces and bridge, removed at the end).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import getpass
 import hashlib
 import json
 import os
+import pwd
 import secrets
 import shlex
 import shutil
@@ -291,9 +299,9 @@ def _ssh_keys(work: Path, comment: str) -> None:
     shutil.copy(work / "id.pub", work / "authorized_keys")
 
 
-def _write_sshd_config(path: Path, listen: str, work: Path, home: Path) -> None:
+def _write_sshd_config(path: Path, listen: str, work: Path, home: Path | None) -> None:
     """An sshd that admits this user with work/id on `listen` (host:port) only, and gives the
-    login `home` as HOME."""
+    login `home` as HOME (None: the user's own home directory)."""
     path.write_text("\n".join([
         f"ListenAddress {listen}",
         f"HostKey {work / 'host_key'}",
@@ -308,14 +316,37 @@ def _write_sshd_config(path: Path, listen: str, work: Path, home: Path) -> None:
         "StrictModes no",  # the key files sit under /tmp, which is group/world writable
         "PrintMotd no",
         "PrintLastLog no",
-        f"SetEnv HOME={home}",
+        *([f"SetEnv HOME={home}"] if home is not None else []),
         "",
     ]))
 
 
-def _sshd_command(sshd: str, config: Path) -> list[str]:
-    """sshd in the foreground as init of a PID namespace of its own (see the module's notes)."""
-    return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sshd, "-D", "-e", "-f", str(config)]
+def _sshd_command(sshd: str, config: Path, passwd: Path | None = None) -> list[str]:
+    """sshd in the foreground as init of a PID namespace of its own (see the module's notes).
+
+    `passwd`: a file bind-mounted on /etc/passwd in sshd's mount namespace (a private one, which
+    `--mount-proc` makes): with the user's home directory changed there, it is HOME for every
+    login and also what ssh expands `~` to in `-i ~/ray_bootstrap_key.pem` (from the passwd
+    entry, not from HOME).
+    """
+    namespace = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if passwd is None:
+        return [*namespace, sshd, "-D", "-e", "-f", str(config)]
+    return [*namespace, "sh", "-c", 'mount --bind "$1" /etc/passwd && exec "$2" -D -e -f "$3"', "sh",
+            str(passwd), sshd, str(config)]
+
+
+def _passwd_with_home(path: Path, home: Path) -> None:
+    """A copy of /etc/passwd in which this user's home directory is `home`."""
+    user = pwd.getpwuid(os.getuid())
+    lines = []
+    for line in Path("/etc/passwd").read_text().splitlines():
+        fields = line.split(":")
+        if len(fields) == 7 and fields[0] == user.pw_name:
+            fields[5] = str(home)
+        lines.append(":".join(fields))
+    assert any(line.startswith(f"{user.pw_name}:") for line in lines), f"{user.pw_name} not in /etc/passwd"
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _kill_sshd(proc: subprocess.Popen) -> None:
@@ -483,6 +514,14 @@ print("ALIVE_NODES " + json.dumps(sorted(n["NodeManagerAddress"] for n in ray.no
 # default is 60): `ray down` stops only the head (see the test), the worker then ends by itself.
 _WORKER_GCS_TIMEOUT_S = 15
 
+# What of a worker node's Ray outlives its raylet when the raylet exits on its own (see the test).
+_WORKER_LEFTOVERS = ("ray/_private/log_monitor.py", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
+                     "dashboard/agent.py", "runtime_env/agent/main.py")
+
+
+def _listing(processes: list[tuple[int, str]]) -> str:
+    return "\n".join(f"{pid} {cmd[:200]}" for pid, cmd in processes)
+
 
 def _alive_nodes(rendered: Path, env: dict, log: Path) -> list[str]:
     out = _run_ray(["exec", str(rendered), "python ~/alive_nodes.py"], env, log, timeout=120)
@@ -504,11 +543,11 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
     """`ray up` of deploy/cluster.local.yaml with head_ip and one worker_ips entry, each a network
     namespace (10.213.X.1 and .2, joined by a bridge whose .254 is this, the root, namespace) with
     its own sshd on port 22, each sshd in its own PID namespace (`ray stop` on a machine sees only
-    that machine's processes) and its own HOME. `ray up`, run here, sets up the head over ssh; the
+    that machine's processes) and its own home. `ray up`, run here, sets up the head over ssh; the
     autoscaler on the head then sets up the worker over ssh (setup and worker_start_ray_commands:
-    `ray start --address=$RAY_HEAD_IP:6379`). Both machines' ~/.profile export the same Ray auth
-    token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN): a worker that joins with no token, or another one,
-    is refused by a head with token auth.
+    `ray start --address=$RAY_HEAD_IP:6379`). The cluster runs with token auth: both machines'
+    ~/.profile export RAY_AUTH_MODE=token and the same RAY_AUTH_TOKEN (the worker's `ray start`
+    does not turn token auth on by itself, whatever the head runs with).
     """
     from tests.netns_cluster import NamespaceNetwork
 
@@ -533,6 +572,8 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
                 namespaces = []
                 own_privsep = _make_privsep()
                 for i, (ip, role) in enumerate([(head_ip, "head"), (worker_ip, "worker")]):
+                    # (A worker node keeps its session in the head's temp dir, which it learns from
+                    # the head: rt0 here, on the one filesystem.)
                     home, raytmp = work / f"home-{role}", work / f"rt{i}"
                     home.mkdir()
                     raytmp.mkdir()
@@ -554,9 +595,11 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
                     (home / ".bashrc").write_text("# Ray sources ~/.bashrc before each command; nothing to do here\n")
                     shutil.copy(work / "alive_nodes.py", home / "alive_nodes.py")
                     sshd_config = work / f"sshd_config_{role}"
-                    _write_sshd_config(sshd_config, f"{ip}:22", work, home)
+                    _write_sshd_config(sshd_config, f"{ip}:22", work, None)
+                    _passwd_with_home(work / f"passwd-{role}", home)
                     with open(work / f"sshd-{role}.log", "wb") as sshd_log:
-                        sshd_procs.append(net.run_in_node(i, _sshd_command(sshd, sshd_config),
+                        command = _sshd_command(sshd, sshd_config, work / f"passwd-{role}")
+                        sshd_procs.append(net.run_in_node(i, command,
                                                           stdout=sshd_log, stderr=subprocess.STDOUT))
                     _wait_port(22, sshd_procs[-1], work / f"sshd-{role}.log", host=ip)
                     namespaces.append(os.readlink(f"/proc/{sshd_procs[-1].pid}/ns/pid_for_children"))
@@ -585,7 +628,7 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
                 assert "gcs_server" in head_running and "raylet" in head_running, head_running
 
                 # `ray up` returns once the head is up; the head's autoscaler then starts the worker.
-                deadline = time.monotonic() + float(os.environ.get('PS_DEBUG_WAIT', 150))
+                deadline = time.monotonic() + 150
                 while "raylet" not in " ".join(cmd for _, cmd in _namespace_processes(worker_ns)):
                     assert time.monotonic() < deadline, \
                         f"no raylet on the worker {150:.0f} s after ray up; the head's autoscaler log:\n" \
@@ -608,20 +651,40 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
                 _run_ray(["down", "-y", str(rendered)], env, log, timeout=180)
                 down_seconds = time.monotonic() - started
 
-                # `ray down` runs `ray stop` on the head only (for the local provider it marks the
-                # workers terminated in a state file, nothing more); the worker's raylet exits when it
-                # has not reached the head's GCS for _WORKER_GCS_TIMEOUT_S, and its agents with it.
+                # `ray down` runs `ray stop` on the head only: for the local provider it marks the
+                # workers terminated in its state file, nothing more.
                 left = _wait_empty(head_ns, 30)
-                assert not left, "Ray still running on the head after ray down:\n" \
-                    + "\n".join(f"{p} {c[:200]}" for p, c in left)
+                assert not left, "Ray still running on the head after ray down:\n" + _listing(left)
                 with pytest.raises(OSError):
                     socket.create_connection((head_ip, serve_port), timeout=2).close()
-                left = _wait_empty(worker_ns, _WORKER_GCS_TIMEOUT_S + 45)
-                assert not left, "Ray still running on the worker after ray down:\n" \
-                    + "\n".join(f"{p} {c[:200]}" for p, c in left)
-                worker_gone_seconds = time.monotonic() - started
+                # The worker's raylet exits once it has not reached the head's GCS for
+                # _WORKER_GCS_TIMEOUT_S; Ray's log monitor (started by `ray start`, it never exits
+                # on its own) and the agents (they see the raylet gone, then spend up to a minute
+                # reporting that to the GCS) may stay behind: no raylet, no workers or actors,
+                # nothing of pagedserve, nothing else.
+                deadline = time.monotonic() + _WORKER_GCS_TIMEOUT_S + 45
+                while True:
+                    left = _non_sshd(_namespace_processes(worker_ns))
+                    if not any("raylet" in cmd for _, cmd in left):
+                        break
+                    assert time.monotonic() < deadline, "the worker's raylet still running after ray down:\n" \
+                        + _listing(left)
+                    time.sleep(0.5)
+                worker_left_seconds = time.monotonic() - started
+                lingering = [(pid, cmd) for pid, cmd in left if not any(name in cmd for name in _WORKER_LEFTOVERS)]
+                assert not lingering, "on the worker after its raylet exited:\n" + _listing(left)
+                # What the next `ray up` runs first on the worker (`ray stop`, in a login shell over
+                # ssh) removes them.
+                ssh = ["ssh", "-i", str(work / "id"), "-o", "StrictHostKeyChecking=no", "-o",
+                       "UserKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+                       f"{getpass.getuser()}@{worker_ip}", "bash --login -c 'ray stop'"]
+                stop = subprocess.run(ssh, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+                assert stop.returncode == 0, f"ray stop on the worker failed:\n{stop.stdout}\n{stop.stderr}"
+                after_stop = _wait_empty(worker_ns, 30)
+                assert not after_stop, "Ray still running on the worker after its ray stop:\n" + _listing(after_stop)
                 print(f"ray up {up_seconds:.1f} s, worker joined {joined_seconds:.1f} s after ray up began, "
-                      f"ray down {down_seconds:.1f} s, worker gone {worker_gone_seconds:.1f} s after ray down began")
+                      f"ray down {down_seconds:.1f} s, worker's raylet gone {worker_left_seconds:.1f} s after "
+                      f"ray down began; left on the worker then: {[cmd[:60] for _, cmd in left] or 'nothing'}")
             finally:
                 # First the sshds (each ends its PID namespace, all in it), then `net` kills
                 # whatever else is in the network namespaces and deletes them and the bridge.
@@ -632,8 +695,7 @@ def test_ray_up_and_down_of_two_machines(tiny_llama):
         if own_privsep:
             _remove_privsep()
         _remove_ssh_control_dir(cluster_name)
-        if not os.environ.get("PS_DEBUG_KEEP"):  # DEBUG-TEMP
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _autoscaler_log(raytmp: Path) -> str:

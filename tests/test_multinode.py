@@ -3,6 +3,10 @@
 The cluster is separate from the test session's Ray (the `ray_session` fixture is not used): its
 nodes are `ray start` processes inside the namespaces, and the drivers here are scripts run inside
 namespace 0, as a driver on the head machine of a real cluster would be.
+
+The last tests run `pagedserve serve --address <head>` there, as a user on the head machine would,
+and talk to it from this process (the root namespace) over gRPC through the bridge; the expected
+tokens are the offline API's, in this process.
 """
 
 from __future__ import annotations
@@ -226,6 +230,19 @@ def _titled(cluster: NamespaceCluster, i: int, title: str) -> list[int]:
     return pids
 
 
+def _listener_peers(cluster: NamespaceCluster, i: int, pid: int) -> set[str]:
+    """Peers of the connections to what process `pid` (in node i) serves on node i's address
+    alone: the KV store's gRPC service (Ray's own server in the process listens on every address)."""
+    def ip(address: str) -> str:  # "[::ffff:10.213.7.1]:port" -> "10.213.7.1"
+        return address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]").removeprefix("::ffff:")
+
+    # "State Recv-Q Send-Q local peer users:(("name",pid=N,fd=M))"
+    rows = [line.split() for line in cluster.run(i, ["ss", "-Htanp"], timeout=30).stdout.splitlines()
+            if f"pid={pid}," in line]
+    ports = {r[3].rsplit(":", 1)[1] for r in rows if r[0] == "LISTEN" and ip(r[3]) == cluster.node_ips[i]}
+    return {ip(r[4]) for r in rows if r[0] == "ESTAB" and r[3].rsplit(":", 1)[1] in ports}
+
+
 def test_two_replicas_serve_from_two_nodes(tiny_llama, tmp_path):
     """`--data-parallel-size 2` on two 1-CPU nodes: a replica per node, the offline tokens from
     either, round-robin sends both some of the requests."""
@@ -264,6 +281,61 @@ def test_tensor_parallel_ranks_on_two_nodes_swap_through_the_kv_store_over_grpc(
         assert _generate_concurrently(target, prompts, 24) == expected
         with pagedserve.Client(target, timeout=60) as client:
             stats = client.stats()
+        # Over gRPC, not shared memory (which these namespaces could share): rank 1's node holds
+        # a connection to the store's service.
+        (store,) = _titled(cluster, nodes[0], "ray::KVStore")
+        assert cluster.node_ips[nodes[1]] in _listener_peers(cluster, nodes[0], store)
     assert stats["kv_blocks_total"] == 24
     assert stats["num_swap_preemptions"] > 0 and stats["swap_out_bytes"] > 0
     assert stats["swap_in_bytes"] == stats["swap_out_bytes"] and stats["worker_restarts"] == 0
+
+
+def test_a_lost_nodes_replica_is_rebuilt_on_the_head_and_every_request_completes(tiny_llama, tmp_path):
+    """`--data-parallel-size 2` over a 3-CPU head and a 1-CPU node: a replica on each. Node 1's
+    raylet is SIGKILLed with streams in flight on both: its replica's workers die with it, the
+    replica is rebuilt on the head (room for one more rank), every stream ends with the offline
+    tokens, and the server stays healthy."""
+    prompts = [[(31 * i + 3 * j) % 3000 + 7 for j in range(20 + i)] for i in range(8)]
+    max_tokens = 400  # long enough to be in flight when the raylet dies
+    expected = _offline(tiny_llama, prompts, max_tokens)
+    with NamespaceCluster(num_nodes=2, cpus_per_node=[3, 1]) as cluster, \
+            _pagedserve_serve(cluster, tiny_llama, tmp_path / "serve.log", "--data-parallel-size", "2",
+                              "--routing-policy", "round-robin", "--kv-cache-memory", str(1 << 22)) as target:
+        replicas = _driver(cluster, WORKER_PIDS, "2")
+        nodes = [{_node_of(cluster, pid) for pid in pids} for pids in replicas]
+        assert nodes in ([{0}, {1}], [{1}, {0}]), nodes
+        lost = nodes.index({1})
+        results: list = [None] * len(prompts)
+        started = [threading.Event() for _ in prompts]
+
+        def consume(i: int) -> None:
+            tokens = []
+            try:
+                with pagedserve.Client(target, timeout=300) as client:
+                    for chunk in client.stream(prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                        tokens += chunk.token_ids
+                        started[i].set()
+                results[i] = tokens
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                results[i] = e
+            finally:
+                started[i].set()
+
+        threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for event in started:
+            assert event.wait(120), "a stream produced nothing"
+        in_flight = sum(r is None for r in results)  # unfinished streams (all of them, measured)
+        cluster.kill_raylet(1)
+        for t in threads:
+            t.join(timeout=300)
+        assert in_flight > 0
+        assert [r if isinstance(r, list) else repr(r) for r in results] == expected
+        with pagedserve.Client(target, timeout=60) as client:
+            assert client.health()
+            stats = client.stats()
+        # Rebuilt on the head: inside the replica (its worker group) or by the router (the replica).
+        assert {_node_of(cluster, pid) for pid in _driver(cluster, WORKER_PIDS, "2")[lost]} == {0}
+    assert stats[f"replica.{lost}.worker_restarts"] + stats["replica_restarts"] > 0
+    assert stats["num_replicas"] == 2 and stats["replicas_serving"] == 2
