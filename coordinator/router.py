@@ -11,16 +11,20 @@ Routing (`--routing-policy`):
 
 - `prefix` (the default with N > 1): the replica of least cost, where
 
-      cost(r) = uncached(r) + pending(r) + RUNNING_SEQ_TOKENS * running(r)
+      cost(r) = MISS_WEIGHT * uncached(r) + pending(r) + RUNNING_SEQ_TOKENS * running(r)
 
   `uncached(r)`: prompt tokens this request would compute on r, i.e. the prompt less its longest
   run of leading full blocks that r holds (device or CPU tier) or that the router has just sent
   to r (requests in flight share a prefix before any of it is cached); `pending(r)`: uncached
   prompt tokens of r's requests that have not produced their first token yet (the prefill work
-  queued ahead of this one); `running(r)`: r's requests in flight. A prompt token costs one; a
-  running sequence is charged RUNNING_SEQ_TOKENS, about what one decoding sequence adds to each
-  step of the engine, measured against prompt tokens in the same chunked step. So a long cached
-  prefix wins unless its replica has that much more work queued. When in-flight counts are badly
+  queued ahead of this one); `running(r)`: r's requests in flight. A token already queued costs
+  one (this request waits for it); a token this request adds costs MISS_WEIGHT = 2 (this request
+  waits for it, and so does every request queued behind it on r; recomputing a prefix another
+  replica holds also spends cache room on a second copy). A running sequence is charged
+  RUNNING_SEQ_TOKENS, about what one decoding sequence adds to each step of the engine, against
+  prompt tokens in the same chunked step. So a long cached prefix wins unless its replica has
+  about twice its length more work queued (measured: with a weight of 1, prefix routing kept 86%
+  of one replica's hit rate on benchmarks/routing.py; see the README). When in-flight counts are badly
   imbalanced (max - min > IMBALANCE_ABS and max > IMBALANCE_REL * min, SGLang's router's
   trigger), the least loaded replica is taken whatever the prefixes say. Ties go to the replica
   that was sent fewer requests so far, so unrelated requests spread out.
@@ -57,6 +61,7 @@ log = logging.getLogger("pagedserve.router")
 
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 RUNNING_SEQ_TOKENS = 16
+MISS_WEIGHT = 2
 IMBALANCE_ABS, IMBALANCE_REL = 64, 1.5
 # Prefix blocks the router remembers having routed (hash -> replica), newest kept: enough for a
 # few hundred distinct long prompts in flight at once.
@@ -251,7 +256,7 @@ class Router:
         best, best_cost, best_uncached = None, None, 0
         for r in candidates:
             uncached = len(token_ids) - self.block_size * self._matched_blocks(r, hashes)
-            cost = uncached + r.pending_tokens + RUNNING_SEQ_TOKENS * r.in_flight
+            cost = MISS_WEIGHT * uncached + r.pending_tokens + RUNNING_SEQ_TOKENS * r.in_flight
             if best is None or cost < best_cost or (cost == best_cost and r.routed < best.routed):
                 best, best_cost, best_uncached = r, cost, uncached
         return best, best_uncached
