@@ -14,11 +14,10 @@ process start; new spares then warm up behind it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
-
-import logging
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
