@@ -212,8 +212,9 @@ class CoordinatorActor:
         await self._state.set_engine(served)
 
     async def _load_replicas(self, config: EngineConfig, options: ServerOptions):
-        """`data_parallel_size` engines (after the first, loaded side by side), spread over the cluster's nodes,
-        behind a Router. They share one input processor (tokenizer, checks, compiled grammars)."""
+        """`data_parallel_size` engines (the first alone, then the rest side by side), spread over
+        the cluster's nodes, behind a Router. They share one input processor (tokenizer, checks,
+        compiled grammars)."""
         from coordinator.async_engine import AsyncEngine
         from coordinator.router import Router
 
