@@ -228,3 +228,28 @@ def test_a_replica_that_stops_hands_its_requests_to_the_other_and_is_rebuilt(ray
             for i in range(2):
                 client.generate([9, 8, 7, i], max_tokens=2, temperature=0.0)
             assert [b - a for a, b in zip(before, _routed(client.stats()))] == [1, 1]
+
+
+def test_the_queue_bound_holds_for_the_whole_cluster(ray_session, tiny_llama):
+    """One sequence at a time per replica and a cluster-wide bound of 2 waiting: of 12 requests
+    sent at once, those beyond what runs and waits are refused RESOURCE_EXHAUSTED, the rest finish,
+    and nothing is left behind."""
+    config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=1, worker_cpus=1)
+    with running_coordinator(config, data_parallel_size=2, max_queued_requests=2, http=False) as (_, target):
+        async def run():
+            async with pagedserve.AsyncClient(target, timeout=120) as client:
+                async def one(i):
+                    try:
+                        out = await client.generate([5, 6, 7, i], max_tokens=60, temperature=0.0, ignore_eos=True)
+                        return len(out.token_ids)
+                    except pagedserve.ServingError as e:
+                        return e.code.name
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        results = asyncio.run(run())
+        refused = [r for r in results if r == "RESOURCE_EXHAUSTED"]
+        assert refused and all(r == 60 for r in results if r not in refused), results
+        assert len(results) - len(refused) >= 2  # at least what the two replicas run at once
+        with pagedserve.Client(target, timeout=60) as client:
+            stats = _wait_idle(client)
+            assert stats["kv_blocks_used"] == 0 and stats["requests_rejected_queue_full"] == len(refused)
