@@ -238,8 +238,9 @@ class Router:
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
-    def choose(self, token_ids: list[int]) -> tuple[Replica, int]:
-        """(replica, prompt tokens it must compute) under the policy, among serving replicas."""
+    def choose(self, token_ids: list[int], hashes: list[bytes] = ()) -> tuple[Replica, int]:
+        """(replica, prompt tokens it must compute) under the policy, among serving replicas;
+        `hashes`: the prompt's block hashes (block_hashes), which the prefix policy weighs."""
         candidates = [r for r in self.replicas if r.serving]
         if not candidates:
             raise EngineDeadError("no replica can take the request now (workers restarting or replicas "
@@ -248,7 +249,6 @@ class Router:
             return candidates[next(self._round_robin) % len(candidates)], len(token_ids)
         if self.policy == "least-loaded":
             return min(candidates, key=lambda r: (r.in_flight, r.pending_tokens, r.routed, r.index)), len(token_ids)
-        hashes = self.block_hashes(token_ids)
         loads = [r.in_flight for r in candidates]
         if max(loads) - min(loads) > IMBALANCE_ABS and max(loads) > IMBALANCE_REL * min(loads):
             best = min(candidates, key=lambda r: (r.in_flight, r.pending_tokens, r.routed, r.index))
@@ -270,8 +270,8 @@ class Router:
             routed += 1
         return max(cached, routed)
 
-    def _remember_route(self, token_ids: list[int], replica: Replica) -> None:
-        for h in self.block_hashes(token_ids):
+    def _remember_route(self, hashes: list[bytes], replica: Replica) -> None:
+        for h in hashes:
             self._routed_prefixes[h] = replica.index
             self._routed_prefixes.move_to_end(h)
         while len(self._routed_prefixes) > ROUTED_PREFIX_BLOCKS:
@@ -283,8 +283,10 @@ class Router:
         delivered: RequestOutput | None = None  # the last output the client got
         run_ids, run_params = token_ids, params
         while True:  # once, or again on another replica after this one's engine stopped
-            replica, uncached = self.choose(run_ids)  # a stopped replica is out of routing
-            self._remember_route(run_ids, replica)
+            # Hashed once per route, and only where the policy weighs prefixes.
+            hashes = self.block_hashes(run_ids) if self.policy == "prefix" else []
+            replica, uncached = self.choose(run_ids, hashes)  # a stopped replica is out of routing
+            self._remember_route(hashes, replica)
             replica.routed += 1
             replica.in_flight += 1
             replica.pending_tokens += uncached
