@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import statistics
 import sys
@@ -42,9 +41,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import offline_throughput as workload  # noqa: E402  (the same workload and stopwatch)
+import serving_throughput as serving  # noqa: E402  (the same offline run)
 import psutil  # noqa: E402
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.bench.backends import GrpcBackend, OpenAIBackend  # noqa: E402
 from pagedserve.bench.dataset import BenchRequest  # noqa: E402
 from pagedserve.bench.embedded import EmbeddedServer  # noqa: E402
@@ -77,17 +76,8 @@ def engine_flags(args) -> dict:
 
 # ---- offline -------------------------------------------------------------------------------------
 def run_offline(args, requests) -> dict:
-    llm = LLM(**engine_flags(args))
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)  # first-call costs
-    prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    with workload.Stopwatch() as watch:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.shutdown()
-    del llm
-    gc.collect()
-    return {"seconds": watch.seconds, "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+    res = serving.run_offline(args, requests, engine_flags(args))  # prefix caching off, as served
+    return {"seconds": res["watch"].seconds, "outputs": res["outputs"]}
 
 
 # ---- served --------------------------------------------------------------------------------------

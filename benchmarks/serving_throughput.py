@@ -55,8 +55,10 @@ def engine_flags(args) -> dict:
 
 
 # ---- offline -------------------------------------------------------------------------------------
-def run_offline(args, requests) -> dict:
-    llm = LLM(**engine_flags(args))
+def run_offline(args, requests, flags: dict | None = None) -> dict:
+    """Greedy tokens of every request through `LLM.generate`, timed, with the engine's stats;
+    `flags`: the engine's, engine_flags(args) unless given."""
+    llm = LLM(**(flags or engine_flags(args)))
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
                  use_tqdm=False)  # first-call costs
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
