@@ -51,7 +51,7 @@ class AsyncEngine:
     def __init__(self, llm_engine: LLMEngine, max_queued_requests: int = 1024):
         self.llm_engine = llm_engine
         self.max_queued_requests = max_queued_requests
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._adds: list[tuple[str, list[int], SamplingParams, int, bool]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup = asyncio.Event()
@@ -168,9 +168,11 @@ class AsyncEngine:
 
     async def generate_checked(self, token_ids: list[int], params: SamplingParams, request_id: str = "",
                                priority: int = 0, expires: float | None = None,
-                               prompt: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                               prompt: str | None = None, timeout: float | None = None,
+                               publish_kv: bool = False) -> AsyncIterator[RequestOutput]:
         """`generate` for a request `check_input` passed: queued at once. `expires`: the loop's
-        time past which it is aborted (its deadline of `timeout` seconds)."""
+        time past which it is aborted (its deadline of `timeout` seconds). `publish_kv`: a
+        prefill replica's prefill-only request (LLMEngine.add_processed_request)."""
         if self.error is not None or (self._task is not None and self._task.done()):
             raise EngineDeadError(f"the engine has stopped: {self.error!r}", request_id, self.error,
                                   in_flight=False)
@@ -179,7 +181,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._adds.append((request_id, token_ids, params, priority))
+        self._adds.append((request_id, token_ids, params, priority, publish_kv))
         self._wakeup.set()
         finished = False
         try:
@@ -242,10 +244,10 @@ class AsyncEngine:
             return
         aborted = set(aborts)
         engine = self.llm_engine
-        for request_id, token_ids, params, priority in adds:
+        for request_id, token_ids, params, priority, publish_kv in adds:
             if request_id in aborted:
                 continue  # cancelled before it ever reached the engine
-            engine.add_processed_request(request_id, None, token_ids, params, priority)
+            engine.add_processed_request(request_id, None, token_ids, params, priority, publish_kv)
         for request_id in aborts:
             engine.abort_request(request_id, self._abort_reasons.pop(request_id, "abort"))
         engine.refresh_stats()  # once for the lot: no step runs now

@@ -17,6 +17,8 @@ A block whose data failed its checksum when read back leaves the tier (`KVCacheM
 
 from __future__ import annotations
 
+import copy
+
 from coordinator.block_pool import BlockPool
 
 
@@ -38,3 +40,11 @@ class CpuBlockPool(BlockPool):
         held, self._held_for_step = self._held_for_step, []
         for block in held:
             self.decref(block)
+
+    def view(self) -> "CpuBlockPool":
+        """Another handle on the same blocks (ref counts, free queue, hash index: shared, never
+        replaced) with step holds of its own: each engine sharing a store holds and releases
+        what its own steps touch. Callers serialize their use with the store's lock."""
+        other = copy.copy(self)
+        other._held_for_step = []
+        return other

@@ -61,7 +61,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.kv_store: StoreHandle | None = None
-        model = model.with_tokenizer_eos(tokenizer)
+        # Prefill/decode disaggregation: "prefill" or "decode" (set by the server), and the store
+        # those replicas share (coordinator/kv_handoff.py) in place of a store of its own.
+        self.role = ""
+        self.handoff = None
+        model = self.model_info = model.with_tokenizer_eos(tokenizer)
         try:
             _check_model(config, model)
             num_blocks = executor.num_available_blocks()
@@ -122,6 +126,29 @@ class LLMEngine:
             raise
         return store, CpuBlockPool(num_cpu_blocks)
 
+    def use_handoff_store(self, handoff) -> None:
+        """Make `handoff` (a coordinator.kv_handoff.HandoffStore, sharded by KV head) this engine's
+        CPU store: its workers attach to it and the allocator takes a view of its pool. The engine
+        must have no store of its own (swap_space 0); the store's owner closes it."""
+        if self.kv_store is not None:
+            raise ValueError("an engine with a KV store of its own (swap_space > 0) cannot share one")
+        self.executor.attach_kv_store(handoff.layout)
+        with handoff.lock:
+            self.scheduler.kv.use_handoff_store(handoff)
+        self.handoff = handoff
+        self.swap_block_bytes = handoff.block_bytes
+
+    def _lose_handoff_store(self) -> None:
+        """The shared store died: swapped groups recompute and the engine runs without a CPU tier
+        (its owner, the server, decides whether another replaces it)."""
+        with self.scheduler.kv.lock:
+            moved = self.scheduler.recompute_swapped()
+            self.scheduler.kv.replace_cpu_pool(None)
+            self.scheduler.kv.handoff = None
+        log.error("the KV store shared by prefill/decode replicas died; %d swapped sequences will recompute, "
+                  "and this replica runs without a CPU tier", moved)
+        self.handoff = None
+
     def _restart_kv_store(self, why: str = "the KV store died") -> None:
         """Swapped groups recompute (same tokens), and a new store takes over. If none can be
         started, preemption recomputes from now on."""
@@ -146,15 +173,16 @@ class LLMEngine:
         self.add_processed_request(request_id, prompt, prompt_token_ids, params, priority)
 
     def add_processed_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                              params: SamplingParams, priority: int = 0) -> None:
+                              params: SamplingParams, priority: int = 0, publish_kv: bool = False) -> None:
         """Queue a request that `input_processor.process` has accepted (a server checks it in
-        another thread first)."""
+        another thread first). `publish_kv`: a prefill-only request of a prefill replica (its
+        full prompt blocks go to the shared store, under a lease keyed by `request_id`)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:  # compiled by `process`: copied, not compiled, here
             grammar = self.input_processor.grammars.start(params.structured_outputs)
-        group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority)
+        group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority, publish_kv)
         group.first.grammar = grammar
         self.output_processor.add_request(group, prompt)
 
@@ -164,7 +192,8 @@ class LLMEngine:
         if request_id not in self.output_processor.requests:
             return None
         stats = IterationStats()
-        self.scheduler.abort_request(request_id)
+        with self.scheduler.kv.lock:
+            self.scheduler.abort_request(request_id)
         out = self.output_processor.abort_request(request_id, stats, reason)
         self.metrics.record(stats)
         return out
@@ -177,6 +206,8 @@ class LLMEngine:
         start = time.perf_counter()
         if self.kv_store is not None and not self.kv_store.alive():
             self._restart_kv_store()
+        if self.handoff is not None and not self.handoff.alive():
+            self._lose_handoff_store()
         stats = IterationStats()
         try:
             updates = self.core.step(stats)
@@ -185,8 +216,11 @@ class LLMEngine:
             updates = []
         else:
             poisoned = []
-        for seq in self.output_processor.detokenize(updates):
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        stopped = self.output_processor.detokenize(updates)
+        if stopped:
+            with self.scheduler.kv.lock:
+                for seq in stopped:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         outputs = poisoned + self.output_processor.make_outputs(updates, stats)
         stats.step_seconds = time.perf_counter() - start
         self.metrics.record(stats)
@@ -201,7 +235,8 @@ class LLMEngine:
         self._spend_restart(error)
         stats.worker_restarts.append(error.cause)
         failed, self.core.in_flight = self.core.in_flight, None
-        poison = self.scheduler.record_fault(failed)
+        with self.scheduler.kv.lock:
+            poison = self.scheduler.record_fault(failed)
         for listener in self.recovery_listeners:
             listener(True)
         try:
@@ -217,7 +252,8 @@ class LLMEngine:
         finally:
             for listener in self.recovery_listeners:
                 listener(False)
-        moved = self.scheduler.reset_after_worker_loss(failed)
+        with self.scheduler.kv.lock:
+            moved = self.scheduler.reset_after_worker_loss(failed)
         poisoned = [self._end_poison_request(request_id, stats) for request_id in poison]
         resumed = len(self.scheduler.groups)
         stats.requests_resumed += resumed
@@ -231,7 +267,8 @@ class LLMEngine:
         message = (f"request {request_id!r} was in the batch of {self.scheduler.fault_suspects[request_id]} "
                    "consecutive steps that crashed a worker; it was ended so that the other requests could resume")
         log.error("%s", message)
-        self.scheduler.abort_request(request_id)
+        with self.scheduler.kv.lock:
+            self.scheduler.abort_request(request_id)
         out = self.output_processor.abort_request(request_id, stats, "poison")
         if out is not None:
             out.error = message
@@ -260,8 +297,9 @@ class LLMEngine:
                 raise RuntimeError(f"the rebuilt worker group holds fewer than the {num_blocks} KV blocks "
                                    "the scheduler manages")
             executor.init_cache(num_blocks)
-            if self.kv_store is not None:
-                executor.attach_kv_store(self.kv_store.layout)
+            store = self.kv_store if self.kv_store is not None else self.handoff
+            if store is not None:
+                executor.attach_kv_store(store.layout)
         except BaseException:
             executor.shutdown()
             raise

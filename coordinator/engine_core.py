@@ -32,19 +32,28 @@ class EngineCore:
     def step(self, stats: IterationStats) -> list[GroupUpdate]:
         """One step; what it did goes to `stats` (its duration is the caller's to measure)."""
         scheduler = self.scheduler
-        out = self.in_flight = scheduler.schedule()
+        lock = scheduler.kv.lock  # a store shared with other replicas: their steps schedule too
+        with lock:
+            out = self.in_flight = scheduler.schedule()
         stats.queue_times += out.queue_times
         stats.num_scheduled_tokens = out.num_tokens
         plan = build_step_plan(out, self.block_size, scheduler.take_finished_seq_ids(), scheduler.eos_token_ids)
         executed = time.perf_counter()
         try:
             output = self.executor.execute(plan)
-        finally:
-            scheduler.kv.end_step()  # the CPU blocks the step held, whatever happened
+        except BaseException:
+            with lock:
+                scheduler.kv.end_step(succeeded=False)  # the CPU blocks the step held or wrote
+            raise
         self.in_flight = None
         stats.execute_seconds = time.perf_counter() - executed
         stats.worker_seconds = output.worker_seconds
         stats.swap_seconds = output.swap_seconds
-        updates = scheduler.update_from_output(out, output, stats)
+        if out.publish or (out.load and scheduler.kv.handoff is not None):
+            stats.pd_transfers.append((len(out.publish), output.publish_seconds, len(out.load),
+                                       output.swap_seconds - output.publish_seconds))
+        with lock:
+            scheduler.kv.end_step()
+            updates = scheduler.update_from_output(out, output, stats)
         stats.alloc_latencies_ns = scheduler.kv.pool.take_latency_samples()
         return updates

@@ -11,11 +11,18 @@ allocation is saved to the store under its hash before it is overwritten (the st
 run first on the workers), and a prefix that runs out of device hits continues in the store:
 those blocks are loaded onto fresh device blocks (swap-ins, before the forward pass) instead of
 being recomputed. A CPU block whose checksum fails when read back is dropped from both tiers,
-with the device block it was loaded onto (`drop_corrupt`).
+with the device block it was loaded onto (`drop_corrupt`). A block written into the CPU pool enters
+its hash index only once the step that writes it has run (`end_step`): until then nobody finds it,
+and a failed step's writes are never found at all.
+
+Prefill/decode replicas share one store (coordinator/kv_handoff.py, `use_handoff_store`): it is
+their CPU tier, `lock` serializes their use of it, and `publish` writes a prefill-only request's
+prompt blocks into it under a lease for a decode replica to load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
 from dataclasses import dataclass
@@ -59,6 +66,12 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         # Tier transfers decided since the last drain: (cpu, device) loads.
         self.pending_loads: list[tuple[int, int]] = []
+        # CPU blocks the running step writes, entered in the hash index once it has run.
+        self._unwritten: list[tuple[int, bytes]] = []
+        # (request id, cpu blocks, of which written) of the prefill-only requests this step publishes.
+        self._unleased: list[tuple[str, list[int], int]] = []
+        self.handoff = None  # coordinator.kv_handoff.HandoffStore, when the store is shared
+        self.lock = contextlib.nullcontext()  # the shared store's lock, when there is one
         self.cpu_pool: CpuBlockPool | None = None
         self.replace_cpu_pool(cpu_pool)
 
@@ -147,6 +160,13 @@ class KVCacheManager:
         self.pool.evicted = [] if self.cpu_tier_enabled else None
         self.pending_loads = []
 
+    def use_handoff_store(self, handoff) -> None:
+        """Make the store prefill and decode replicas share this manager's CPU pool (a view of its
+        allocator) and its lock this manager's."""
+        self.handoff = handoff
+        self.lock = handoff.lock
+        self.replace_cpu_pool(handoff.pool.view())
+
     def reset_device_pool(self) -> None:
         """The workers' caches are gone (a rebuilt worker group): every device block is free and
         uncached again. Callers take the sequences' tables off first; the CPU pool stays."""
@@ -156,10 +176,26 @@ class KVCacheManager:
         self.pending_loads = []
         self._num_registered = {}
 
-    def end_step(self) -> None:
-        """The step's plan has run on the workers: CPU blocks it read or wrote may be reused."""
-        if self.cpu_pool is not None:
-            self.cpu_pool.end_step()
+    def end_step(self, succeeded: bool = True) -> None:
+        """The step's plan has run on the workers (or failed, `succeeded=False`): the CPU blocks it
+        wrote enter the hash index (a failed step's never do: their data may be partial), its
+        published blocks go to their requests' leases, and the CPU blocks it read or wrote may be
+        reused."""
+        unwritten, self._unwritten = self._unwritten, []
+        unleased, self._unleased = self._unleased, []
+        if self.cpu_pool is None:
+            return
+        if succeeded:
+            for block, block_hash in unwritten:
+                self.cpu_pool.register(block, block_hash)
+            for request_id, blocks, written in unleased:
+                self.handoff.grant(request_id, blocks)
+                self.handoff.counters.published_blocks += written
+        else:
+            for _, blocks, _ in unleased:
+                for block in blocks:
+                    self.cpu_pool.decref(block)
+        self.cpu_pool.end_step()
 
     def drop_corrupt(self, cpu_blocks, device_blocks) -> None:
         """`cpu_blocks` failed their checksum when read back onto `device_blocks`: no prefix hit
@@ -190,11 +226,38 @@ class KVCacheManager:
             if cpu.num_free == 0:
                 continue
             target = cpu.allocate()
-            cpu.register(target, block_hash)
+            self._unwritten.append((target, block_hash))  # found once the step has written it
             cpu.release_after_step(target)  # free (and cached) once the step has written it
             saves.append((block, target))
         self.prefix_stats.cpu_saved_blocks += len(saves)
         return saves
+
+    def publish(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(device, cpu) writes, after this step's forward pass, of `seq`'s full blocks into the
+        shared store, for a decode replica (a prefill-only request whose prompt this step
+        completes). Blocks the store holds already are reused; at the first block the store has
+        no room for, the rest are left out (the decode side computes them). The request's lease
+        on the blocks starts once the step has run (`end_step`)."""
+        cpu, bs = self.cpu_pool, self.block_size
+        num_full = seq.num_tokens // bs
+        self._extend_hashes(seq, num_full)
+        writes, leased = [], []
+        for i in range(num_full):
+            block_hash = seq.block_hashes[i]
+            known = cpu.lookup(block_hash)
+            if known is not None:
+                cpu.incref(known)
+                self.handoff.counters.reused_blocks += 1
+                leased.append(known)
+                continue
+            if cpu.num_free == 0:
+                break
+            target = cpu.allocate()  # its reference is the lease's
+            self._unwritten.append((target, block_hash))
+            writes.append((seq.block_table[i], target))
+            leased.append(target)
+        self._unleased.append((seq.request_id, leased, len(writes)))
+        return writes
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),

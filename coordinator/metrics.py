@@ -91,6 +91,10 @@ class EngineMetrics:
         self.worker_restarts: Counter[str] = Counter()  # by cause: death, hang, error
         self.requests_resumed = 0
         self.kv_checksum_failures = 0  # CPU blocks whose checksum failed when read back
+        # Prefill/decode handoffs: blocks this replica published to (or loaded from) the shared
+        # store, and the seconds of each step's transfers, by direction.
+        self.pd_blocks: Counter[str] = Counter(publish=0, load=0)
+        self.pd_seconds = {"publish": Histogram(LATENCY_BUCKETS), "load": Histogram(LATENCY_BUCKETS)}
 
     def record(self, it: IterationStats) -> None:
         observe = self.histograms
@@ -110,6 +114,11 @@ class EngineMetrics:
         self.kv_checksum_failures += it.kv_checksum_failures
         for value in it.recovery_seconds:
             observe["recovery_seconds"].observe(value)
+        for published, publish_seconds, loaded, load_seconds in it.pd_transfers:
+            for direction, blocks, seconds in (("publish", published, publish_seconds), ("load", loaded, load_seconds)):
+                if blocks:
+                    self.pd_blocks[direction] += blocks
+                    self.pd_seconds[direction].observe(seconds)
         for ns in it.alloc_latencies_ns:
             self.alloc_latency_us.observe(ns / 1000)
         self.recent_alloc_latency_ns.extend(it.alloc_latencies_ns)

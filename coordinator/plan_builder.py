@@ -101,5 +101,6 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         block_tables=block_tables, slot_mapping=slot_mapping,
         sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
         copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
+        publish=sched.publish,
         finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs,
         token_bitmask=fill_bitmasks(grammars) if grammars else None)

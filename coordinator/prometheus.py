@@ -19,6 +19,12 @@ log = logging.getLogger("pagedserve.metrics")
 
 PREFIX = "pagedserve_"
 REJECT_REASONS = ("invalid_argument", "queue_full", "unavailable", "unauthenticated")
+CLUSTER_COUNTERS = {  # the router's, when there is one
+    "requests_failed_over": "Requests moved to another replica after theirs stopped",
+    "pd_handoffs": "Requests whose prompt a prefill replica computed for a decode replica",
+    "pd_fallback_recomputes": "Requests routed for prefill/decode whose decode replica computed the whole "
+                              "prompt instead (the prefill replica failed, or the lease expired first)",
+}
 
 
 class PagedserveCollector:
@@ -26,10 +32,13 @@ class PagedserveCollector:
     loading); `rejected()` the server's refusals by reason. Every engine series carries a
     `replica` label ("0" with one replica): the cluster's figure is their sum."""
 
-    def __init__(self, model_name: str, engines: Callable, rejected: Callable[[], dict]):
+    def __init__(self, model_name: str, engines: Callable, rejected: Callable[[], dict],
+                 cluster: Callable[[], dict] = dict):
+        """`cluster()`: the router's own counters (failovers, P/D fallbacks), {} without one."""
         self.model_name = model_name
         self._engines = engines
         self._rejected = rejected
+        self._cluster = cluster
 
     def describe(self):
         return []  # no fixed set before the first scrape: skip the registry's duplicate check
@@ -45,6 +54,12 @@ class PagedserveCollector:
         for reason in REJECT_REASONS:
             rejected.add_metric(model + [reason], counts.get(reason, 0))
         yield rejected
+        cluster = self._cluster()
+        for name, doc in CLUSTER_COUNTERS.items():
+            if name in cluster:
+                family = self._family(CounterMetricFamily, name, doc)
+                family.add_metric(model, cluster[name])
+                yield family
         engines = self._engines()
         if engines:
             yield from self._engine_families(engines)
@@ -111,6 +126,20 @@ class PagedserveCollector:
                      "they held was recomputed, never served)", lambda s, e: s["kv_checksum_failures_total"])
         yield labelled(C, "requests_finished", "Requests finished, by reason", "reason",
                        lambda s, e: {reason: e.metrics.finished[reason] for reason in FINISH_REASONS})
+        yield labelled(G, "replica_role", "1 for the replica's prefill/decode role (colocated: both)", "role",
+                       lambda s, e: {e.role or "colocated": 1})
+        yield labelled(C, "pd_transfer_blocks", "KV blocks handed from prefill to decode replicas through the "
+                       "shared store, by direction (publish: written by a prefill replica; load: read by a "
+                       "decode replica)", "direction",
+                       lambda s, e: {"publish": s["pd_transfer_blocks_published"], "load": s["pd_transfer_blocks_loaded"]})
+        yield labelled(C, "pd_transfer_bytes", "Bytes of pd_transfer_blocks", "direction",
+                       lambda s, e: {"publish": s["pd_transfer_bytes_published"], "load": s["pd_transfer_bytes_loaded"]})
+        f = self._family(HistogramMetricFamily, "pd_transfer_seconds", "Rank 0's time moving one step's P/D "
+                         "handoff blocks (a load step's: all its store transfers)", ["replica", "direction"])
+        for labels, engine, _ in replicas:
+            for direction, h in engine.metrics.pd_seconds.items():
+                f.add_metric(labels + [direction], _buckets(h), h.sum)
+        yield f
         for name, (_, doc) in HISTOGRAMS.items():
             yield self._histogram(name, doc, replicas, lambda e, name=name: e.metrics.histograms[name])
         yield self._histogram("block_allocation_latency_microseconds",
@@ -121,12 +150,14 @@ class PagedserveCollector:
         family = self._family(HistogramMetricFamily, name, doc, ["replica"])
         for labels, engine, _ in replicas:
             h: Histogram = histogram_of(engine)
-            buckets = [("+Inf" if bound == float("inf") else repr(float(bound)), count)
-                       for bound, count in h.cumulative()]
-            # The sum is read after the buckets: an observation landing in between leaves the
-            # count (the +Inf bucket) consistent with the buckets, as Prometheus requires.
-            family.add_metric(labels, buckets, h.sum)
+            family.add_metric(labels, _buckets(h), h.sum)
         return family
+
+
+def _buckets(h: Histogram) -> list[tuple[str, int]]:
+    """Cumulative buckets; read before the sum: an observation landing in between leaves the
+    count (the +Inf bucket) consistent with the buckets, as Prometheus requires."""
+    return [("+Inf" if bound == float("inf") else repr(float(bound)), count) for bound, count in h.cumulative()]
 
 
 def make_registry(collector: PagedserveCollector) -> CollectorRegistry:

@@ -62,6 +62,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     load: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), CPU tier
+    publish: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu) after the forward pass
     queue_times: list[float] = field(default_factory=list)  # of requests scheduled for the first time
 
     @property
@@ -81,6 +82,11 @@ AUTO_SWAP_MIN_TOKENS = 1
 # others can resume. Where several share that count they are run one per step (isolated), so
 # that the next fault names one; innocents are never ended for sharing a batch with a poison.
 POISON_FAULTS = 2
+
+
+def kv_shared(kv: KVCacheManager) -> bool:
+    """Whether `kv`'s CPU pool is the store prefill and decode replicas share."""
+    return kv.handoff is not None and kv.cpu_pool is not None
 
 
 class Scheduler:
@@ -116,10 +122,13 @@ class Scheduler:
         self.fault_suspects: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> SequenceGroup:
-        """Queue a request (checked already: the input processor refuses what could fail)."""
+                    priority: int = 0, publish_kv: bool = False) -> SequenceGroup:
+        """Queue a request (checked already: the input processor refuses what could fail).
+        `publish_kv`: a prefill replica's prefill-only request, whose full prompt blocks go to
+        the store shared with decode replicas in the step that completes them."""
         first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params)
         first.priority = priority
+        first.publish_kv = publish_kv and kv_shared(self.kv)
         beam = None
         if params.use_beam_search:  # beams fork as the search goes
             beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping)
@@ -209,6 +218,9 @@ class Scheduler:
             self._swap_in(out)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        for seq, n in out.scheduled:
+            if seq.publish_kv and seq.num_computed_tokens + n == seq.num_tokens:
+                out.publish += kv.publish(seq)
         out.copies = kv.drain_copies()
         out.load = kv.drain_loads()
         out.swap_out += kv.save_evicted()

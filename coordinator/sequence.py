@@ -37,12 +37,14 @@ class Sequence:
                  "num_computed_tokens", "block_table", "block_hashes", "num_cached_prompt_tokens",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
                  "stop_reason", "num_preemptions", "fork_ids", "priority", "cpu_block_table", "last_token_time",
-                 "sample_index", "grammar")
+                 "sample_index", "grammar", "publish_kv")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # A prefill replica's prefill-only request: its prompt blocks go to the shared store.
+        self.publish_kv = False
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING

@@ -70,6 +70,9 @@ class IterationStats:
     requests_resumed: int = 0
     recovery_seconds: list[float] = field(default_factory=list)  # fault detected to workers back
     kv_checksum_failures: int = 0  # CPU blocks read back with a bad checksum (their holders recompute)
+    # Prefill/decode handoffs through the shared store: (blocks published, their seconds, blocks
+    # loaded, their seconds) of a step that moved any (a load's seconds are the step's swap time).
+    pd_transfers: list[tuple[int, float, int, float]] = field(default_factory=list)
 
 
 def scheduler_stats(scheduler) -> SchedulerStats:
@@ -133,6 +136,13 @@ def engine_stats(engine) -> dict:
         **{f"worker_restarts_{cause}": metrics.worker_restarts[cause] for cause in ("death", "hang", "error")},
         "requests_resumed": metrics.requests_resumed,
         "kv_checksum_failures_total": metrics.kv_checksum_failures,
+        "pd_transfer_blocks_published": metrics.pd_blocks["publish"],
+        "pd_transfer_blocks_loaded": metrics.pd_blocks["load"],
+        "pd_transfer_bytes_published": metrics.pd_blocks["publish"] * engine.swap_block_bytes,
+        "pd_transfer_bytes_loaded": metrics.pd_blocks["load"] * engine.swap_block_bytes,
+        **{f"pd_transfer_seconds_{direction}_{key}": value for direction, h in metrics.pd_seconds.items()
+           for key, value in (("count", h.count), ("sum", h.sum), ("p50", h.quantile(0.5)),
+                              ("p99", h.quantile(0.99)))},
         "prompt_tokens": metrics.num_prompt_tokens,
         "generation_tokens": metrics.num_generation_tokens,
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).

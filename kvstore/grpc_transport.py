@@ -297,11 +297,14 @@ class GrpcSwapSpace:
     """A rank's swaps through the store's gRPC service (a `kvstore.swap_space.SwapSpace`)."""
 
     def __init__(self, layout: StoreLayout, rank: int, kv_cache):
+        """`kv_cache`: the rank's device cache, or None for a client that only moves shards it
+        is handed (`put_shards` / `get_shards`: kvstore/head_shards.py)."""
         import torch
 
-        self._kv_bytes = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
-        layout.check([], rank, self._kv_bytes.shape[1])
         self.layout, self.rank = layout, rank
+        if kv_cache is not None:
+            self._kv_bytes = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+            layout.check([], rank, self._kv_bytes.shape[1])
         self._channel = store_channel(layout)
         # Chunks travel as wire bytes (encode_chunk / decode_chunk), not protobuf objects.
         self._put = self._channel.stream_unary(f"/{_SERVICE}/PutBlocks", request_serializer=None,
@@ -314,14 +317,30 @@ class GrpcSwapSpace:
         if not pairs:
             return
         check_device_blocks([d for d, _ in pairs], self._kv_bytes.shape[0])
-        self.layout.check([c for _, c in pairs], self.rank)
-        self._put(_chunks(self.rank, self._sealed((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs)))
+        self.put_shards(self.rank, ((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs))
 
-    @staticmethod
-    def _sealed(shards):
-        """(block, host bytes) -> (block, host bytes, crc32); a GPU's block is staged on the host."""
-        for block, shard in shards:
-            yield block, shard, shard_checksum(shard)
+    def put_shards(self, shard: int, rows) -> None:
+        """Write (cpu block, host bytes) rows as shard `shard` of their blocks, each with its crc32
+        (a GPU's block is staged on the host by the caller)."""
+        rows = list(rows)
+        self.layout.check([c for c, _ in rows], shard)
+        self._put(_chunks(shard, ((c, row, shard_checksum(row)) for c, row in rows)))
+
+    def get_shards(self, shard: int, blocks: list[int], rows: dict, release: bool = True) -> list[int]:
+        """Read shard `shard` of `blocks` into `rows` (block -> writable uint8 array of a shard's
+        size); returns the blocks whose shard fails its checksum (or came without one)."""
+        manifest = msgpack.packb({"blocks": blocks, "rank": shard, "release": release})
+        sums = {}
+        for raw in self._get(kvstore_pb2.GetRequest(manifest=manifest)):
+            header, data = decode_chunk(raw)
+            header = msgpack.unpackb(header)
+            data = np.frombuffer(data, dtype=np.uint8)
+            start = 0
+            for block, offset, length in header["pieces"]:
+                rows[block][offset:offset + length] = data[start:start + length]
+                start += length
+            sums.update((block, crc) for block, crc in header.get("checksums", ()))
+        return [c for c in blocks if sums.get(c) != shard_checksum(rows[c])]
 
     def swap_in(self, pairs: list[tuple[int, int]], release: bool = True) -> list[int]:
         """Returns the cpu blocks whose shard fails its checksum (copied all the same: the caller
@@ -334,19 +353,7 @@ class GrpcSwapSpace:
         # On a GPU each block is assembled in host memory, then copied over whole.
         rows = {c: (np.empty(self._kv_bytes.shape[1], np.uint8) if on_gpu else self._kv_bytes[d].numpy())
                 for c, d in pairs}
-        manifest = msgpack.packb({"blocks": [c for c, _ in pairs], "rank": self.rank, "release": release})
-        sums = {}
-        for raw in self._get(kvstore_pb2.GetRequest(manifest=manifest)):
-            header, data = decode_chunk(raw)
-            header = msgpack.unpackb(header)
-            data = np.frombuffer(data, dtype=np.uint8)
-            start = 0
-            for block, offset, length in header["pieces"]:
-                rows[block][offset:offset + length] = data[start:start + length]
-                start += length
-            sums.update((block, crc) for block, crc in header.get("checksums", ()))
-        # A shard that came without a checksum cannot be trusted either.
-        corrupt = [c for c in rows if sums.get(c) != shard_checksum(rows[c])]
+        corrupt = self.get_shards(self.rank, [c for c, _ in pairs], rows, release)
         if on_gpu:
             import torch
 

@@ -37,6 +37,13 @@ class StoreLayout:
     # With transport "grpc": the bearer token every call must carry. It reaches the workers
     # inside Ray (never over the store's socket) and stays out of reprs and logs.
     secret: str = field(default="", repr=False)
+    # What a block's shards are: "rank" (shard r is tensor-parallel rank r's KV heads: one
+    # engine's store) or "kv_head" (shard h is KV head h, so `tp_size` counts KV heads: the store
+    # prefill and decode replicas share, which any tensor-parallel size reads and writes).
+    shard_by: str = "rank"
+    # A Ray node id whose ranks map the segment even with transport "grpc" (the shared store
+    # serves ranks on its own node over shared memory, the others over gRPC); "": none.
+    shm_node: str = ""
 
     @property
     def crc_offset(self) -> int:
@@ -166,15 +173,17 @@ class KVStore:
     """Owns the segment. Runs as a Ray actor (`KVStoreActor`) beside Ray workers, or in process."""
 
     def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, transport: str = "shm",
-                 host: str = "127.0.0.1"):
-        """`host`: the address the gRPC service binds and workers dial (transport "grpc")."""
+                 host: str = "127.0.0.1", shard_by: str = "rank", shm_node: str = ""):
+        """`host`: the address the gRPC service binds and workers dial (transport "grpc");
+        `shard_by`, `shm_node`: see StoreLayout."""
         if num_blocks < 1:
             raise ValueError(f"swap_space holds no KV block ({block_bytes * tp_size} bytes each)")
         if transport not in ("shm", "grpc"):
             raise ValueError(f"kv_transport must be shm or grpc here; got {transport!r}")
         unlink_orphaned_segments()  # a dead coordinator's store left its segment on this node
         name = _segment_name()
-        self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes, owner_pid=os.getpid())
+        self.layout = StoreLayout(name, num_blocks, tp_size, block_bytes, owner_pid=os.getpid(),
+                                  shard_by=shard_by, shm_node=shm_node)
         # SharedMemory creates with mode 0600: only this user's processes can map it.
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.layout.size)
         self._valid, self._data = _views(self._shm, self.layout)
@@ -237,9 +246,13 @@ class StoreHandle:
     engine) or as a Ray actor on the workers' node."""
 
     def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, node_id: str | None = None,
-                 transport: str = "shm"):
+                 transport: str = "shm", shard_by: str = "rank"):
+        """`shard_by` "kv_head": the shared store of prefill/decode replicas (StoreLayout), which
+        serves gRPC and lets ranks on `node_id` map its segment."""
+        shm_node = (node_id or "") if shard_by == "kv_head" else ""
         if node_id is None:
-            self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes, transport), None
+            self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes, transport,
+                                               shard_by=shard_by), None
             self.layout = self._local.get_layout()
             return
         import ray
@@ -254,7 +267,7 @@ class StoreHandle:
         # Same node as the workers: they map the segment the store creates.
         self._actor = actor_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-            num_blocks, tp_size, block_bytes, transport, host)
+            num_blocks, tp_size, block_bytes, transport, host, shard_by, shm_node)
         self.layout = ray.get(self._actor.get_layout.remote())
         self._death = self._actor.wait_until_dead.remote()
 

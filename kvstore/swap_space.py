@@ -39,8 +39,19 @@ class SwapSpace(Protocol):
         """Let go of the store (its pool stays: the store owns it)."""
 
 
-def open_swap_space(layout: StoreLayout, rank: int, kv_cache) -> SwapSpace:
-    """Rank `rank`'s swap space onto the store `layout` describes, over its transport."""
+def open_swap_space(layout: StoreLayout, rank: int, kv_cache, heads: tuple[int, int] | None = None,
+                    writes_heads: bool = True, node_id: str = "") -> SwapSpace:
+    """Rank `rank`'s swap space onto the store `layout` describes, over its transport. A store
+    sharded by KV head (prefill/decode replicas' shared store) needs `heads`, the (first, count)
+    KV heads this rank holds, and `writes_heads` (see kvstore/head_shards.py); `node_id` is this
+    rank's Ray node, whose ranks map such a store's segment when it is the store's."""
+    if layout.shard_by == "kv_head":
+        from kvstore.head_shards import HeadShardedSwapSpace
+
+        if heads is None:
+            raise ValueError("a store sharded by KV head needs the rank's KV heads")
+        local = layout.transport == "shm" or (bool(node_id) and node_id == layout.shm_node)
+        return HeadShardedSwapSpace(layout, kv_cache, heads, writes_heads, local)
     # Imported here: a worker loads only its own transport's dependencies (torch, grpc).
     if layout.transport == "shm":
         from kvstore.shm_transport import ShmSwapSpace

@@ -62,10 +62,11 @@ def test_evicted_cached_blocks_are_saved_and_loaded_back_instead_of_recomputed()
     assert kv.allocate_slots(b, 16)
     saves = kv.save_evicted()
     assert sorted(d for d, _ in saves) == sorted(a_blocks)
-    assert cpu.num_cached == 3 and cpu.num_used == 3  # held until the step has written them
+    # Held, and found by nobody, until the step has written them.
+    assert cpu.num_cached == 0 and cpu.num_used == 3
     assert kv.prefix_stats.cpu_saved_blocks == 3
     kv.end_step()  # the manager ends its CPU pool's step
-    assert cpu.num_used == 0 and cpu.num_free == 8
+    assert cpu.num_used == 0 and cpu.num_free == 8 and cpu.num_cached == 3
     kv.free(b)
 
     again = make_seq(2, a.token_ids[:13])  # a's prompt once more
@@ -77,7 +78,7 @@ def test_evicted_cached_blocks_are_saved_and_loaded_back_instead_of_recomputed()
     assert again.num_computed_tokens == 12 and len(again.block_table) == 4
     assert kv.drain_loads() == list(zip(loaded, again.block_table[:3]))
     assert cpu.num_used == 3  # nothing may overwrite them before this step reads them
-    cpu.end_step()
+    kv.end_step()
     # The loaded blocks are device cache entries again, and stay in the CPU tier too.
     assert kv.get_computed_blocks(make_seq(3, a.token_ids[:13])) == again.block_table[:3]
     assert cpu.num_cached == 3 and kv.prefix_stats.cpu_loaded_blocks == 3
@@ -92,7 +93,7 @@ def test_a_cpu_block_loaded_this_step_is_not_overwritten_by_a_save_in_the_same_s
     filler = make_seq(1, 8)
     assert kv.allocate_slots(filler, 8)  # evicts it
     [(_, saved)] = kv.save_evicted()
-    cpu.end_step()
+    kv.end_step()
     _computed(kv, filler, 8)
     kv.free(filler)  # filler's 2 blocks are cached now
 
@@ -104,7 +105,7 @@ def test_a_cpu_block_loaded_this_step_is_not_overwritten_by_a_save_in_the_same_s
     # The tier's only block is being read this step: no evicted block is saved over it.
     assert kv.save_evicted() == []
     assert cpu.lookup(a.block_hashes[0]) == saved
-    cpu.end_step()
+    kv.end_step()
 
 
 def test_a_swapped_groups_cpu_blocks_are_not_reused_by_a_save_in_the_step_that_reads_them():
@@ -137,7 +138,7 @@ def test_swap_preemption_takes_cpu_blocks_from_the_tier():
     filler = make_seq(1, 16)
     assert kv.allocate_slots(filler, 16)
     assert len(kv.save_evicted()) == 2
-    cpu.end_step()
+    kv.end_step()
     kv.free(filler)
     assert cpu.num_cached == 2 and cpu.num_free == 2  # cached blocks count as free
     a, b = make_seq(2, 8), make_seq(3, 7)

@@ -67,6 +67,7 @@ class WorkerActor:
             dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}",
                                     rank=rank, world_size=size)
         self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size), hf_config)
+        self.worker.node_id = ray.get_runtime_context().get_node_id()
 
     def warm(self, hf_config) -> None:
         """A spare's head start: the imports setup needs (`hf_config` arrives unpickled, which

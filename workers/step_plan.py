@@ -2,7 +2,7 @@
 
 Plain data (numpy arrays and lists), so the same object goes to an in-process worker or, pickled,
 to Ray worker actors. Before the forward pass workers execute, in this order, `swap_out`, `copy`,
-then `swap_in` and `load` (the scheduler's ordering contract rests on it). A CPU block read back
+then `swap_in` and `load` (the scheduler's ordering contract rests on it); after it, `publish`. A CPU block read back
 whose checksum fails comes back in `StepOutput.corrupt_cpu_blocks`: the scheduler recomputes the
 sequences that hold it and drops whatever this step computed for them.
 """
@@ -82,6 +82,9 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, device_block)
     # (cpu_block, device_block) reads from the CPU prefix tier: the CPU block stays valid.
     load: list[tuple[int, int]] = field(default_factory=list)
+    # (device_block, cpu_block) writes after the forward pass: prompt blocks a prefill replica
+    # hands to decode replicas through the shared store (the forward pass computes them).
+    publish: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # ended since the last plan
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
     # [M, ceil(vocab / 32)] int32, the allowed tokens of structured outputs (bit j of word w: token
@@ -102,6 +105,7 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch
     swap_seconds: float = 0.0  # of which its swap and CPU-tier transfers took
+    publish_seconds: float = 0.0  # of which its `publish` writes took
     # CPU blocks of swap_in / load whose shard failed its checksum on any rank (executors merge
     # the ranks'): the device blocks they were copied to hold bad data.
     corrupt_cpu_blocks: list[int] = field(default_factory=list)

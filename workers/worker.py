@@ -65,6 +65,7 @@ class Worker:
         self._graphs = None
         self.sampler = Sampler(config.seed)
         self._crash_token = fault_hook.armed_token()  # None unless a test armed the hook
+        self.node_id = ""  # its Ray node, set by a worker actor (a shared KV store maps by node)
 
     def num_available_blocks(self) -> int:
         """CPU: `kv_cache_memory` bytes. GPU: what `gpu_memory_utilization` leaves after the weights,
@@ -120,7 +121,11 @@ class Worker:
             from kvstore.store import unlink_segment
 
             unlink_segment(previous)
-        self.swap_space = open_swap_space(layout, self.tp.rank, self.kv_cache)
+        num_kv_heads = self.hf_config.num_key_value_heads
+        heads = self.tp.kv_heads(num_kv_heads)
+        # A KV head replicated on several ranks is written to a head-sharded store by its first.
+        writes = self.tp.size <= num_kv_heads or self.tp.rank % (self.tp.size // num_kv_heads) == 0
+        self.swap_space = open_swap_space(layout, self.tp.rank, self.kv_cache, heads, writes, self.node_id)
 
     def detach_kv_store(self) -> None:
         """Let go of the store; its pool stays (the store owns it)."""
@@ -132,10 +137,15 @@ class Worker:
         start = time.perf_counter()
         if self._crash_token is not None:  # armed by tests only: see workers/fault_hook.py
             fault_hook.crash_if_present(plan.input_ids, self._crash_token)
-        transfers = bool(plan.swap_out or plan.swap_in or plan.load)
+        transfers = bool(plan.swap_out or plan.swap_in or plan.load or plan.publish)
         transfer_seconds, corrupt = self._transfer(plan)
         output = self._execute(plan)
         output.corrupt_cpu_blocks = corrupt
+        if plan.publish:  # prompt blocks the forward pass just completed, for a decode replica
+            published = time.perf_counter()
+            self.swap_space.swap_out(plan.publish)
+            output.publish_seconds = time.perf_counter() - published
+            transfer_seconds += output.publish_seconds
         if transfers:  # a GPU's copies ran beside the forward pass: wait for them
             waited = time.perf_counter()
             self.swap_space.finish()

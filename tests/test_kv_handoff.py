@@ -1,0 +1,151 @@
+"""Prefill/decode handoff through the shared KV store, engine by engine (in this process, real
+shared memory): a prefill engine computes a prompt's full blocks and publishes them, a decode
+engine loads them as CPU-tier prefix hits, computes the tail, and decodes the tokens a colocated
+engine gives. Leases, failed steps and mismatched settings are checked at the allocator level."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import LLMEngine
+from coordinator.kv_handoff import HandoffStore, check_matching, open_handoff_store
+from coordinator.sampling_params import SamplingParams
+from pagedserve.config import EngineConfig
+
+BLOCK = 16
+ENGINE = dict(kv_cache_memory=1 << 22, distributed_executor_backend="uni", block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    colocated = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE))
+    prefill = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE))
+    # The decode side with a pool of another size: block counts may differ.
+    decode = LLMEngine.from_config(EngineConfig(model=tiny_llama, **{**ENGINE, "kv_cache_memory": 3 << 21}))
+    prefill.role, decode.role = "prefill", "decode"
+    handoff = open_handoff_store([prefill, decode], space_gib=1 / 64, lease_seconds=60.0)
+    yield colocated, prefill, decode, handoff
+    for engine in (colocated, prefill, decode):
+        engine.shutdown()
+    handoff.close()
+
+
+def _run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, publish: bool = False):
+    engine.add_processed_request(request_id, None, prompt, params, publish_kv=publish)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final
+
+
+def _prefill_only(prompt: list[int]) -> list[int]:
+    """What the router sends a prefill replica: the prompt's full blocks, the last token left to
+    the decode side."""
+    return prompt[:(len(prompt) - 1) // BLOCK * BLOCK]
+
+
+def _handoff(prefill, decode, handoff, request_id, prompt, params):
+    part = _prefill_only(prompt)
+    if part:
+        _run(prefill, request_id + ":prefill", part, SamplingParams(temperature=0.0, max_tokens=1), publish=True)
+    leased = handoff.lease_blocks(request_id + ":prefill")
+    out = _run(decode, request_id, prompt, params)
+    handoff.release(request_id + ":prefill")
+    return out, leased
+
+
+@pytest.mark.parametrize("length", [5, 16, 32, 33, 47, 80])
+def test_decode_after_handoff_gives_the_colocated_tokens(engines, length):
+    colocated, prefill, decode, handoff = engines
+    prompt = [(31 * i + 7 * length) % 4000 + 3 for i in range(length)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = _run(colocated, f"c{length}", prompt, params)
+    loaded_before = decode.metrics.pd_blocks["load"]
+    got, leased = _handoff(prefill, decode, handoff, f"h{length}", prompt, params)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    full = (length - 1) // BLOCK
+    assert leased == full  # every full block but one that holds the last token was handed over
+    assert decode.metrics.pd_blocks["load"] - loaded_before == full
+    assert got.metrics.num_cached_tokens == full * BLOCK  # the decode side computed only the tail
+    for engine in (prefill, decode):
+        assert engine.scheduler.kv.pool.num_used == 0
+    assert handoff.pool.num_used == 0 and not handoff.leases  # cached, but nothing held
+
+
+def test_parallel_samples_beams_and_seeded_sampling_through_the_handoff(engines):
+    colocated, prefill, decode, handoff = engines
+    prompt = [(17 * i + 5) % 3000 + 11 for i in range(41)]
+    for i, params in enumerate([
+            SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=10, ignore_eos=True),
+            SamplingParams(use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=10, ignore_eos=True, logprobs=2)]):
+        expected = _run(colocated, f"cs{i}", prompt, params)
+        got, leased = _handoff(prefill, decode, handoff, f"hs{i}", prompt, params)
+        assert leased == 2
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+    assert handoff.pool.num_used == 0
+
+
+def test_a_prefix_cached_on_the_decode_side_or_in_the_store_is_not_published_twice(engines):
+    colocated, prefill, decode, handoff = engines
+    shared = [(13 * i + 1) % 2000 + 9 for i in range(48)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    _handoff(prefill, decode, handoff, "p1", shared + [5, 6, 7], params)
+    published = handoff.counters.published_blocks
+    reused = handoff.counters.reused_blocks
+    # The same 3 blocks again, and one more: only the new block is written.
+    prompt = shared + list(range(100, 120))
+    expected = _run(colocated, "cp2", prompt, params)
+    got, leased = _handoff(prefill, decode, handoff, "p2", prompt, params)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert leased == 4
+    assert handoff.counters.published_blocks - published == 1
+    assert handoff.counters.reused_blocks - reused == 3
+
+
+def test_a_failed_step_registers_nothing_and_frees_what_it_allocated(engines):
+    _, prefill, _, handoff = engines
+    kv = prefill.scheduler.kv
+    prompt = [(7 * i + 3) % 999 + 1000 for i in range(48)]
+    prefill.add_processed_request("fail", None, prompt, SamplingParams(temperature=0.0, max_tokens=1), publish_kv=True)
+    used = handoff.pool.num_used
+    with kv.lock:
+        out = prefill.scheduler.schedule()
+    assert len(out.publish) == 3 and handoff.pool.num_used == used + 3
+    with kv.lock:
+        kv.end_step(succeeded=False)  # as EngineCore after a worker fault
+    assert handoff.pool.num_used == used and "fail" not in handoff.leases
+    assert handoff.cached_prefix(prefill.scheduler.groups["fail"].first.block_hashes) == 0
+    prefill.abort_request("fail")
+    assert kv.pool.num_used == 0
+
+
+def test_an_expired_lease_frees_the_store_copy_and_a_released_one_keeps_it_cached():
+    handoff = HandoffStore(None, num_blocks=8, block_bytes=1, lease_seconds=5.0)
+    pool = handoff.pool
+    blocks = [pool.allocate() for _ in range(3)]
+    for i, block in enumerate(blocks):
+        pool.register(block, bytes([i]) * 16)
+    pool.incref(blocks[1])  # each lease holds a reference (publish increfs a block the store has)
+    handoff.grant("a", blocks[:2], now=100.0)
+    handoff.grant("b", blocks[1:], now=103.0)  # shares block 1
+    assert handoff.expire(now=104.0) == []
+    assert handoff.expire(now=105.5) == ["a"]
+    assert pool.lookup(bytes([0]) * 16) is None  # freed: nothing else held it
+    assert pool.lookup(bytes([1]) * 16) == blocks[1]  # still leased by b
+    assert handoff.release("b") and not handoff.release("b")
+    assert pool.num_used == 0
+    assert handoff.cached_prefix([bytes([1]) * 16, bytes([2]) * 16]) == 2  # released: cached, reusable
+    assert handoff.counters.leases_expired == 1
+
+
+def test_mismatched_settings_are_refused_naming_both_values():
+    base = EngineConfig(kv_cache_memory=1 << 22)
+    with pytest.raises(ValueError, match="same block_size: prefill block_size=16, decode block_size=32"):
+        check_matching(base, base.replace(block_size=32))
+    with pytest.raises(ValueError, match="same dtype: prefill dtype='float32', decode dtype='bfloat16'"):
+        check_matching(base, base.replace(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        check_matching(base, base.replace(enable_prefix_caching=False))
