@@ -166,7 +166,8 @@ class CoordinatorActor:
             state = self._state  # read from the metrics thread: see ServerState on what is safe there
             self._registry = make_registry(PagedserveCollector(
                 model, lambda: state.engine.replica_engines() if state.engine is not None else [],
-                lambda: dict(state.rejected)))
+                lambda: dict(state.rejected),
+                lambda: state.engine.cluster_counters() if hasattr(state.engine, "cluster_counters") else {}))
         return self._registry
 
     def _start_metrics(self, model: str, host: str, port: int) -> None:
@@ -196,7 +197,7 @@ class CoordinatorActor:
         loop = asyncio.get_running_loop()
         try:
             # Loading takes seconds to minutes: threads, never the event loop.
-            if options.data_parallel_size == 1:
+            if options.num_replicas == 1:
                 engine = await loop.run_in_executor(None, _load_llm_engine, config)
                 served = AsyncEngine(engine, options.max_queued_requests)
             else:
@@ -218,6 +219,8 @@ class CoordinatorActor:
         from coordinator.async_engine import AsyncEngine
         from coordinator.router import Router
 
+        if options.disaggregated:
+            return await self._load_disaggregated(config, options)
         loop = asyncio.get_running_loop()
         configs = replica_configs(config, options.data_parallel_size)
         # The first alone: transformers' lazy imports are not safe to race from two threads.
@@ -235,6 +238,50 @@ class CoordinatorActor:
         policy = "prefix" if options.routing_policy == "auto" else options.routing_policy
         return Router([AsyncEngine(e, options.max_queued_requests) for e in engines], policy,
                       options.max_queued_requests, rebuild)
+
+    async def _load_disaggregated(self, config: EngineConfig, options: ServerOptions):
+        """Prefill and decode replicas (coordinator/kv_handoff.py) behind a Router, sharing one KV
+        store on the first prefill replica's node: over shared memory when every rank runs
+        there, else over gRPC for the ranks elsewhere (kv_transport "grpc": for every rank)."""
+        from coordinator.kv_handoff import DEFAULT_STORE_GIB, open_handoff_store, pd_engine_configs
+        from coordinator.router import Router
+
+        loop = asyncio.get_running_loop()
+        prefill, decode = pd_engine_configs(config, options.prefill_config, options.decode_config)
+        roles = ["prefill"] * options.prefill_replicas + ["decode"] * options.decode_replicas
+        configs = place_replicas([prefill] * options.prefill_replicas + [decode] * options.decode_replicas)
+        engines = [await loop.run_in_executor(None, _load_llm_engine, configs[0])]
+        try:
+            engines += await asyncio.gather(*(loop.run_in_executor(None, _load_llm_engine, c) for c in configs[1:]))
+            shared_input = engines[0].input_processor
+            for engine in engines[1:]:
+                engine.input_processor = shared_input
+
+            def open_store():
+                node = engines[0].executor.node_id()
+                spans = any(e.executor.spans_nodes() or e.executor.node_id() != node for e in engines)
+                transport = config.kv_transport if config.kv_transport != "auto" else ("grpc" if spans else "shm")
+                shm_node = node if config.kv_transport == "auto" else ""
+                return open_handoff_store(engines, config.swap_space or DEFAULT_STORE_GIB, options.pd_kv_lease,
+                                          node, transport, shm_node)
+
+            handoff = await loop.run_in_executor(None, open_store)
+        except BaseException:
+            for engine in engines:
+                await loop.run_in_executor(None, engine.shutdown)
+            raise
+
+        def rebuild(index: int):  # a replica whose engine stopped (in a thread)
+            engine = _load_llm_engine(configs[index])
+            engine.input_processor = shared_input
+            engine.use_handoff_store(handoff)
+            return _started_engine(engine, options.max_queued_requests, loop)
+
+        from coordinator.async_engine import AsyncEngine
+
+        policy = "prefix" if options.routing_policy == "auto" else options.routing_policy
+        return Router([AsyncEngine(e, options.max_queued_requests) for e in engines], policy,
+                      options.max_queued_requests, rebuild, roles, handoff, options.pd_min_prompt_tokens)
 
     async def wait_ready(self) -> dict:
         """Wait until the model is loaded and served; raises the load error if loading failed."""
@@ -320,26 +367,33 @@ def _shutdown_served(served) -> None:
 
 
 def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
+    """`replicas` copies of `config`, placed (see place_replicas)."""
+    return place_replicas([config] * replicas)
+
+
+def place_replicas(configs: list[EngineConfig]) -> list[EngineConfig]:
     """Each replica's config: its worker group placed on a node of its own while the cluster's
     nodes last (round robin over nodes that can hold a whole group), and on CPU, unless set,
     `worker_cpus` splitting the cluster's free CPUs evenly among every replica's ranks (two
     replicas on a 2-core node: one core, one torch thread, each), less where the nodes could not
     hold every group at that size (a 3-CPU and a 1-CPU node: one CPU each, not two)."""
-    tp = config.tensor_parallel_size
+    replicas = len(configs)
+    ranks = sum(c.tensor_parallel_size for c in configs)
+    tp = max(c.tensor_parallel_size for c in configs)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    cpus = config.worker_cpus
-    if cpus == 0 and config.device == "cpu":
+    cpus = configs[0].worker_cpus
+    if cpus == 0 and configs[0].device == "cpu":
         free = int(ray.available_resources().get("CPU", 0))
-        cpus = max(1, free // (replicas * tp))
+        cpus = max(1, free // ranks)
         while cpus > 1 and sum(int(n.get("Resources", {}).get("CPU", 0)) // (tp * cpus) for n in nodes) < replicas:
             cpus -= 1
-    need = tp * max(1, cpus)
-    roomy = sorted((n for n in nodes if n.get("Resources", {}).get("CPU", 0) >= need),
-                   key=lambda n: -n.get("Resources", {}).get("CPU", 0))
     out = []
-    for i in range(replicas):
+    for i, config in enumerate(configs):
+        need = config.tensor_parallel_size * max(1, cpus)
+        roomy = sorted((n for n in nodes if n.get("Resources", {}).get("CPU", 0) >= need),
+                       key=lambda n: -n.get("Resources", {}).get("CPU", 0))
         node = config.placement_node or (roomy[i % len(roomy)]["NodeID"] if roomy else "")
-        out.append(config.replace(worker_cpus=cpus, placement_node=node))
+        out.append(config.replace(worker_cpus=config.worker_cpus or cpus, placement_node=node))
     return out
 
 

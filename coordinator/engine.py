@@ -189,6 +189,8 @@ class LLMEngine:
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Abort a request in any state; every block of every sample comes back at once.
         `reason` is what the finished-requests counter records (abort, deadline)."""
+        if self.handoff is not None:  # a prefill-only request's lease, if a step granted it one
+            self.handoff.release(request_id)
         if request_id not in self.output_processor.requests:
             return None
         stats = IterationStats()

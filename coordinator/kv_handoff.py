@@ -132,6 +132,34 @@ class HandoffStore:
             self.store = None
 
 
+# The shared store's size when the server's swap_space is 0 (GiB): SmolLM2's fp32 blocks are
+# 737 KB, so about 23k tokens of prompts in flight.
+DEFAULT_STORE_GIB = 1.0
+
+
+def pd_engine_configs(config, prefill_overrides: dict | None, decode_overrides: dict | None) -> list:
+    """[prefill config, decode config]: `config` with each side's overrides (EngineConfig fields),
+    checked, and without a store of their own (they share one of the server's swap_space)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    base = config.replace(swap_space=0.0,
+                          preemption_mode="auto" if config.preemption_mode == "swap" else config.preemption_mode)
+    out = []
+    for side, overrides in (("prefill", prefill_overrides or {}), ("decode", decode_overrides or {})):
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"{side}_config: {unknown[0]!r} is not an engine setting")
+        if "swap_space" in overrides:
+            raise ValueError(f"{side}_config: swap_space sizes the store both sides share; set it for the server")
+        try:
+            out.append(base.replace(**overrides))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{side}_config: {e}") from None
+    check_matching(*out)
+    return out
+
+
 # Settings a prefill and a decode replica must share: the store holds whole blocks of one
 # model's K/V, in one dtype, of one block size.
 MATCHING_SETTINGS = ("model", "dtype", "block_size")
@@ -157,10 +185,10 @@ def head_block_bytes(engine) -> int:
 
 
 def open_handoff_store(engines: list, space_gib: float, lease_seconds: float, node_id: str | None = None,
-                       transport: str = "shm") -> HandoffStore:
+                       transport: str = "shm", shm_node: str = "") -> HandoffStore:
     """The store `engines` (every prefill and decode replica's LLMEngine) share, of `space_gib`
-    GiB, on `node_id` (None: in this process), each engine attached to it. `transport` "grpc"
-    serves ranks on other nodes; ranks on the store's node map its segment either way."""
+    GiB, on `node_id` (None: in this process), each engine attached to it. With `transport`
+    "grpc" ranks reach it over gRPC, except those on `shm_node`, which map its segment."""
     from kvstore.store import StoreHandle
 
     for engine in engines[1:]:
@@ -175,7 +203,7 @@ def open_handoff_store(engines: list, space_gib: float, lease_seconds: float, no
     if num_blocks < 1:
         raise ValueError(f"swap_space ({space_gib} GiB) holds no KV block ({shard * heads} bytes); the "
                          "prefill/decode store needs room for the prompts in flight")
-    store = StoreHandle(num_blocks, heads, shard, node_id, transport, shard_by="kv_head")
+    store = StoreHandle(num_blocks, heads, shard, node_id, transport, shard_by="kv_head", shm_node=shm_node)
     handoff = HandoffStore(store, num_blocks, shard * heads, lease_seconds)
     try:
         for engine in engines:

@@ -31,6 +31,20 @@ Routing (`--routing-policy`):
 - `least-loaded`: fewest requests in flight (then fewest pending tokens, then fewest routed so far).
 - `round-robin`: in turn.
 
+Prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`): replicas have roles,
+and share one KV store (coordinator/kv_handoff.py). A request whose prompt has at least one full
+block the decode side lacks, and at least `pd_min_prompt_tokens` tokens, first goes to a prefill
+replica (by the same cost, among prefill replicas) as a prefill-only request: its full blocks but
+the one holding the last token (`max_tokens=1`, its token discarded), published to the store under
+a lease. Then a decode replica (by cost among decode replicas, which sees the published blocks
+as cached) serves the whole request: it loads those blocks, computes the tail, samples the first
+token and decodes; the client sees that one stream. The lease is released once the decode side
+has produced a token, or when the request ends; leases older than `pd_kv_lease` are expired.
+Shorter prompts, prompts the decode side holds already, and prompt-logprob requests go straight to
+a decode replica. A prefill hop that fails (its replica stops, its step keeps crashing) only
+means the decode replica computes the prompt itself (`pd_fallback_recomputes`); so does an expired
+lease. With no decode replica serving, any serving replica decodes.
+
 Faults: a replica's worker faults are recovered inside it (its engine rebuilds its workers);
 while it rebuilds, new requests go to the others. A replica whose engine stops (its restart
 budget spent, or its node gone) is taken out of routing and rebuilt from scratch in the
@@ -51,7 +65,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
-from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
 from coordinator.kv_cache_manager import hash_block
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
@@ -75,9 +89,10 @@ class Replica:
     """One engine replica as the router sees it: its engine, whether it takes requests, and the
     load the router has put on it."""
 
-    def __init__(self, index: int, engine: AsyncEngine):
+    def __init__(self, index: int, engine: AsyncEngine, role: str = ""):
         self.index = index
         self.engine = engine
+        self.role = role  # "prefill", "decode", or "" (colocated)
         self.state = "serving"  # serving | restarting (its workers rebuild) | down | failed
         self.in_flight = 0  # requests routed here and not finished
         self.pending_tokens = 0  # uncached prompt tokens of those without a first token yet
@@ -109,12 +124,22 @@ class Router:
     AsyncEngine (started) for a replica whose engine stopped; it runs in a thread."""
 
     def __init__(self, engines: list[AsyncEngine], policy: str = "prefix", max_queued_requests: int = 1024,
-                 rebuild: Callable[[int], AsyncEngine] | None = None):
+                 rebuild: Callable[[int], AsyncEngine] | None = None, roles: list[str] | None = None,
+                 handoff=None, pd_min_prompt_tokens: int = 0):
+        """`roles` (one per engine: "prefill" or "decode") and `handoff` (their shared store, a
+        coordinator.kv_handoff.HandoffStore) turn prefill/decode disaggregation on."""
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; got {policy!r}")
         if not engines:
             raise ValueError("a router needs at least one replica")
-        self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        roles = roles or [""] * len(engines)
+        self.replicas = [Replica(i, e, role) for i, (e, role) in enumerate(zip(engines, roles))]
+        for replica in self.replicas:
+            replica.engine.llm_engine.role = replica.role
+        self.handoff = handoff
+        self.pd_min_prompt_tokens = pd_min_prompt_tokens
+        self.pd_handoffs = 0  # requests a prefill replica computed the prompt of
+        self.pd_fallbacks = 0  # of which the decode side computed the whole prompt after all
         self.policy = policy
         self.max_queued_requests = max_queued_requests
         self._rebuild = rebuild
@@ -136,6 +161,8 @@ class Router:
         for replica in self.replicas:
             replica.engine.start()
             self._watch(replica)
+        if self.handoff is not None:
+            self._spawn(self._expire_leases())
 
     @property
     def llm_engine(self):
@@ -193,7 +220,9 @@ class Router:
         total["num_replicas"] = len(self.replicas)
         total["replicas_serving"] = sum(r.serving for r in self.replicas)
         total["replica_restarts"] = sum(len(r.restarts) for r in self.replicas)
-        total["requests_failed_over"] = self.failovers
+        total.update(self.cluster_counters())
+        if self.handoff is not None:
+            total.update(self.handoff.stats())
         for r in self.replicas:
             prefix = f"replica.{r.index}."
             total[prefix + "serving"] = int(r.serving)
@@ -204,6 +233,13 @@ class Router:
                 stats["num_queued"] = r.engine.num_queued
                 total.update({prefix + key: stats[key] for key in REPLICA_KEYS})
         return total
+
+    def cluster_counters(self) -> dict:
+        """The router's own lifetime counters (for GetStats and /metrics)."""
+        out = {"requests_failed_over": self.failovers}
+        if self.handoff is not None:
+            out.update(pd_handoffs=self.pd_handoffs, pd_fallback_recomputes=self.pd_fallbacks)
+        return out
 
     async def drain(self, timeout: float) -> int:
         return sum(await asyncio.gather(*(r.engine.drain(timeout) for r in self.replicas)))
@@ -222,6 +258,8 @@ class Router:
         """Release every replica's workers and KV store (blocking: call in a thread)."""
         for r in self.replicas:
             _shutdown_quietly(r.engine)
+        if self.handoff is not None:
+            self.handoff.close()
 
     # ---- routing ------------------------------------------------------------------------------
     def _any_serving(self) -> Replica:
@@ -238,10 +276,13 @@ class Router:
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
-    def choose(self, token_ids: list[int], hashes: list[bytes] = ()) -> tuple[Replica, int]:
-        """(replica, prompt tokens it must compute) under the policy, among serving replicas;
-        `hashes`: the prompt's block hashes (block_hashes), which the prefix policy weighs."""
+    def choose(self, token_ids: list[int], hashes: list[bytes] = (), role: str = "") -> tuple[Replica, int]:
+        """(replica, prompt tokens it must compute) under the policy, among serving replicas (of
+        `role`, when one serves; else any); `hashes`: the prompt's block hashes (block_hashes),
+        which the prefix policy weighs."""
         candidates = [r for r in self.replicas if r.serving]
+        if role and any(r.role == role for r in candidates):
+            candidates = [r for r in candidates if r.role == role]
         if not candidates:
             raise EngineDeadError("no replica can take the request now (workers restarting or replicas "
                                   "down); retry shortly", "", RuntimeError("no replica"), in_flight=False)
@@ -280,12 +321,85 @@ class Router:
     # ---- serving one request, moving it if its replica stops -----------------------------------
     async def _serve(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int,
                      expires: float | None, prompt: str | None, timeout: float | None) -> AsyncIterator[RequestOutput]:
+        lease = None  # the prefill hop's lease key, until the decode side has produced a token
+        handed = 0  # prompt blocks a prefill replica was asked to hand over
+        try:
+            if self.handoff is not None:
+                lease, handed = await self._prefill_hop(request_id, token_ids, params, priority, expires, timeout)
+            async for out in self._decode(request_id, token_ids, params, priority, expires, prompt, timeout,
+                                          lease is not None):
+                if lease is not None:
+                    self.handoff.release(lease)
+                    lease = None
+                    if out.metrics is not None and out.metrics.num_cached_tokens < handed * self.block_size:
+                        self.pd_fallbacks += 1  # the lease expired, or a block failed its checksum
+                yield out
+        finally:
+            if lease is not None:
+                self.handoff.release(lease)
+
+    async def _prefill_hop(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int,
+                           expires: float | None, timeout: float | None) -> tuple[str | None, int]:
+        """Have a prefill replica publish the prompt's full blocks (all but the one holding the
+        last token) when that is worth a hop; returns (lease key, blocks asked for), or (None, 0)
+        when the request goes straight to a decode replica. A failed hop is not the request's
+        failure: the decode side computes the prompt itself."""
+        bs = self.block_size
+        full = (len(token_ids) - 1) // bs
+        if full == 0 or len(token_ids) < self.pd_min_prompt_tokens or params.prompt_logprobs is not None:
+            return None, 0
+        hashes = self.block_hashes(token_ids[:full * bs])
+        decoders = [r for r in self.replicas if r.serving and r.role == "decode"]
+        prefillers = [r for r in self.replicas if r.serving and r.role == "prefill"]
+        if not prefillers or not decoders or max(r.cached_blocks(hashes) for r in decoders) >= full:
+            return None, 0  # no one to hop to, or the decode side has the prompt already
+        replica, uncached = self.choose(token_ids[:full * bs], hashes, role="prefill")
+        key = f"{request_id}:prefill"
+        replica.routed += 1
+        replica.in_flight += 1
+        replica.pending_tokens += uncached
+        self.pd_handoffs += 1
+        try:
+            stream = replica.engine.generate_checked(token_ids[:full * bs], SamplingParams(temperature=0.0, max_tokens=1),
+                                                     key, priority, expires, None, timeout, publish_kv=True)
+            async with contextlib.aclosing(stream):
+                async for _ in stream:
+                    pass
+        except (EngineDeadError, RequestFailedError) as e:
+            if isinstance(e, EngineDeadError) and (e.in_flight or replica.engine.error is not None):
+                self._replica_stopped(replica, e.cause)
+            log.warning("the prefill hop of request %s failed on replica %d (%s); its decode replica computes "
+                        "the prompt", request_id, replica.index, _first_line(e))
+        finally:
+            replica.in_flight -= 1
+            replica.pending_tokens -= uncached
+        if self.handoff.lease_blocks(key) == 0:
+            self.handoff.release(key)
+            self.pd_fallbacks += 1
+            return None, 0
+        return key, full
+
+    async def _expire_leases(self) -> None:
+        """Expire handoff leases nobody claimed in time (their requests recompute)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.handoff.lease_seconds / 4))
+            expired = self.handoff.expire()
+            if expired:
+                log.warning("%d handoff leases expired unclaimed (their decode replicas recompute): %s",
+                            len(expired), ", ".join(expired[:5]))
+
+    async def _decode(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int,
+                      expires: float | None, prompt: str | None, timeout: float | None,
+                      handed_over: bool) -> AsyncIterator[RequestOutput]:
+        """The request on the replica the policy picks (a decode replica under P/D), moved to
+        another when that one's engine stops."""
         delivered: RequestOutput | None = None  # the last output the client got
         run_ids, run_params = token_ids, params
+        role = "decode" if self.handoff is not None else ""
         while True:  # once, or again on another replica after this one's engine stopped
-            # Hashed once per route, and only where the policy weighs prefixes.
-            hashes = self.block_hashes(run_ids) if self.policy == "prefix" else []
-            replica, uncached = self.choose(run_ids, hashes)  # a stopped replica is out of routing
+            # Hashed once per route, and only where the policy weighs prefixes (or a handoff).
+            hashes = self.block_hashes(run_ids) if self.policy == "prefix" or handed_over else []
+            replica, uncached = self.choose(run_ids, hashes, role)  # a stopped replica is out of routing
             self._remember_route(hashes, replica)
             replica.routed += 1
             replica.in_flight += 1
@@ -430,6 +544,11 @@ def _continued(out: RequestOutput, prompt_ids: list[int], before: RequestOutput 
     out.prompt_token_ids = prompt_ids
     out.prompt_logprobs = before.prompt_logprobs
     return out
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _shutdown_quietly(engine: AsyncEngine) -> None:

@@ -35,6 +35,17 @@ class ServerOptions:
     # routed among them; "auto": prefix with several replicas.
     data_parallel_size: int = 1
     routing_policy: str = "auto"
+    # Prefill/decode disaggregation (coordinator/kv_handoff.py): this many prefill and decode
+    # replicas (both 0: off), each with the engine config less/plus `prefill_config` /
+    # `decode_config` (EngineConfig fields: e.g. tensor_parallel_size, kv_cache_memory); prompts
+    # shorter than `pd_min_prompt_tokens` skip the prefill hop; a handed-over prompt's blocks stay
+    # leased in the shared store for `pd_kv_lease` seconds at most.
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    prefill_config: dict | None = None
+    decode_config: dict | None = None
+    pd_min_prompt_tokens: int = 0
+    pd_kv_lease: float = 60.0
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -66,11 +77,34 @@ class ServerOptions:
             raise ValueError(f"drain_timeout must be a number of seconds >= 0; got {self.drain_timeout!r}")
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1; got {self.data_parallel_size!r}")
+        for name in ("prefill_replicas", "decode_replicas", "pd_min_prompt_tokens"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
+        if (self.prefill_replicas == 0) != (self.decode_replicas == 0):
+            raise ValueError(f"prefill/decode disaggregation needs both prefill_replicas and decode_replicas >= 1; "
+                             f"got prefill_replicas={self.prefill_replicas}, decode_replicas={self.decode_replicas}")
+        if self.prefill_replicas and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size and prefill_replicas/decode_replicas are two ways to set the "
+                             "replicas: give one of them")
+        for name in ("prefill_config", "decode_config"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a map of engine settings; got {getattr(self, name)!r}")
+        if isinstance(self.pd_kv_lease, bool) or not isinstance(self.pd_kv_lease, (int, float)) \
+                or not self.pd_kv_lease > 0:
+            raise ValueError(f"pd_kv_lease must be a number of seconds > 0; got {self.pd_kv_lease!r}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing_policy!r}")
         for name in ("default_metrics", "http"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.prefill_replicas + self.decode_replicas if self.disaggregated else self.data_parallel_size
 
     @property
     def tls(self) -> tuple[bytes, bytes] | None:

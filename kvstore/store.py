@@ -246,10 +246,8 @@ class StoreHandle:
     engine) or as a Ray actor on the workers' node."""
 
     def __init__(self, num_blocks: int, tp_size: int, block_bytes: int, node_id: str | None = None,
-                 transport: str = "shm", shard_by: str = "rank"):
-        """`shard_by` "kv_head": the shared store of prefill/decode replicas (StoreLayout), which
-        serves gRPC and lets ranks on `node_id` map its segment."""
-        shm_node = (node_id or "") if shard_by == "kv_head" else ""
+                 transport: str = "shm", shard_by: str = "rank", shm_node: str = ""):
+        """`shard_by` "kv_head": the store prefill/decode replicas share; `shm_node`: see StoreLayout."""
         if node_id is None:
             self._local, self._actor = KVStore(num_blocks, tp_size, block_bytes, transport,
                                                shard_by=shard_by), None

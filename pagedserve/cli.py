@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -18,6 +19,16 @@ DEMO_PROMPTS = [
     "Three tips for staying focused are",
     "A short story about a robot who learns to paint:",
 ]
+
+
+def _json_map(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of engine settings")
+    return value
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routing-policy", default="auto", choices=("auto", "prefix", "least-loaded", "round-robin"),
                        help="how requests are sent to replicas: prefix (cached prefix against load; the auto "
                             "choice), least-loaded or round-robin (default: %(default)s)")
+    serve.add_argument("--prefill-replicas", type=int, default=0,
+                       help="prefill/decode disaggregation: replicas that only compute prompts and hand their KV "
+                            "blocks to decode replicas through a shared KV store (default: 0, off)")
+    serve.add_argument("--decode-replicas", type=int, default=0,
+                       help="replicas that load handed-over prompts and decode (with --prefill-replicas)")
+    serve.add_argument("--prefill-config", type=_json_map, default=None, metavar="JSON",
+                       help='engine settings of the prefill replicas over the flags\' values, e.g. '
+                            '\'{"tensor_parallel_size": 2}\' (model, dtype and block_size must match the decode side)')
+    serve.add_argument("--decode-config", type=_json_map, default=None, metavar="JSON",
+                       help="engine settings of the decode replicas over the flags' values")
+    serve.add_argument("--pd-min-prompt-tokens", type=int, default=0,
+                       help="prompts shorter than this go straight to a decode replica (default: %(default)s)")
+    serve.add_argument("--pd-kv-lease", type=float, default=60.0,
+                       help="seconds a handed-over prompt's blocks stay reserved in the shared store for their "
+                            "decode replica; past it they are freed and the prompt is recomputed (default: %(default)s)")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)

@@ -120,7 +120,10 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
                          metrics_port=metrics_port, default_metrics=metrics_port is None and not args.no_metrics,
                          request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                          http=not args.no_http, http_host=args.http_host, http_port=args.http_port,
-                         data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy)
+                         data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy,
+                         prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+                         prefill_config=args.prefill_config, decode_config=args.decode_config,
+                         pd_min_prompt_tokens=args.pd_min_prompt_tokens, pd_kv_lease=args.pd_kv_lease)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
@@ -130,7 +133,7 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         _err(f"error: {e}")
         return 2
     address = args.address or ("auto" if args.detach else None)
-    if not _connect_or_explain(address, config.tensor_parallel_size * server_options.data_parallel_size):
+    if not _connect_or_explain(address, config.tensor_parallel_size * server_options.num_replicas):
         return 1
     import ray
 

@@ -122,6 +122,67 @@ def test_a_failed_step_registers_nothing_and_frees_what_it_allocated(engines):
     assert kv.pool.num_used == 0
 
 
+def test_a_request_waits_on_its_lease_until_decode_blocks_free_and_then_loads_them(engines, tiny_llama):
+    """A decode engine of 12 blocks, 10 of them held by a running request: the handed-over request
+    (3 blocks) waits, its blocks leased in the store, and once blocks free it loads them instead of
+    recomputing."""
+    colocated, prefill, _, handoff = engines
+    small = LLMEngine.from_config(EngineConfig(model=tiny_llama, **{**ENGINE, "kv_cache_memory": 12 * 8192}))
+    try:
+        small.use_handoff_store(handoff)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompt = [(19 * i + 2) % 3000 + 40 for i in range(40)]
+        expected = _run(colocated, "cw", prompt, params)
+        small.add_processed_request("filler", None, [(3 * i + 1) % 3000 + 7 for i in range(10 * BLOCK - 4)],
+                                    SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        small.step()
+        assert small.scheduler.kv.pool.num_used == 10
+        _run(prefill, "w:prefill", prompt[:32], SamplingParams(temperature=0.0, max_tokens=1), publish=True)
+        small.add_processed_request("w", None, prompt, params)
+        small.step()
+        assert [s.request_id for s in small.scheduler.waiting] == ["w"]  # no room: it waits
+        assert handoff.lease_blocks("w:prefill") == 2
+        final = None
+        while small.has_unfinished_requests():
+            for out in small.step():
+                final = out if out.request_id == "w" and out.finished else final
+        handoff.release("w:prefill")
+        assert final.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert final.metrics.num_cached_tokens == 32  # loaded from its lease
+        assert small.scheduler.kv.pool.num_used == 0 and handoff.pool.num_used == 0
+    finally:
+        small.shutdown()
+
+
+def test_an_expired_lease_means_the_decode_side_recomputes_the_prompt(engines):
+    colocated, prefill, decode, handoff = engines
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [(29 * i + 3) % 3000 + 60 for i in range(50)]
+    expected = _run(colocated, "ce", prompt, params)
+    _run(prefill, "e:prefill", prompt[:48], SamplingParams(temperature=0.0, max_tokens=1), publish=True)
+    assert handoff.lease_blocks("e:prefill") == 3
+    assert handoff.expire(now=1e12) == ["e:prefill"]
+    got = _run(decode, "e", prompt, params)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got.metrics.num_cached_tokens == 0  # the store's copy was freed: computed in full
+    assert handoff.pool.num_used == 0
+
+
+def test_aborting_a_prefill_request_lets_its_lease_go_whenever_the_abort_comes(engines):
+    """Before its publishing step (nothing leased) or after it (the step granted the lease): the
+    abort leaves no store block held."""
+    _, prefill, _, handoff = engines
+    part = [(41 * i + 9) % 3000 + 80 for i in range(48)]
+    prefill.add_processed_request("a1:prefill", None, part, SamplingParams(temperature=0.0, max_tokens=1),
+                                  publish_kv=True)
+    prefill.abort_request("a1:prefill")
+    _run(prefill, "a2:prefill", part, SamplingParams(temperature=0.0, max_tokens=1), publish=True)
+    assert handoff.lease_blocks("a2:prefill") == 3 and handoff.pool.num_used == 3
+    prefill.abort_request("a2:prefill")  # finished already: its lease goes all the same
+    assert handoff.pool.num_used == 0 and not handoff.leases
+    assert prefill.scheduler.kv.pool.num_used == 0
+
+
 def test_an_expired_lease_frees_the_store_copy_and_a_released_one_keeps_it_cached():
     handoff = HandoffStore(None, num_blocks=8, block_bytes=1, lease_seconds=5.0)
     pool = handoff.pool
@@ -149,3 +210,44 @@ def test_mismatched_settings_are_refused_naming_both_values():
         check_matching(base, base.replace(dtype="bfloat16"))
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         check_matching(base, base.replace(enable_prefix_caching=False))
+
+
+def test_pd_engine_configs_apply_each_sides_settings_and_refuse_a_mismatch():
+    from coordinator.kv_handoff import pd_engine_configs
+
+    base = EngineConfig(kv_cache_memory=1 << 22, swap_space=2.0, preemption_mode="swap")
+    prefill, decode = pd_engine_configs(base, None, {"tensor_parallel_size": 2, "kv_cache_memory": 1 << 21})
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (1, 2)
+    assert decode.kv_cache_memory == 1 << 21 and prefill.kv_cache_memory == 1 << 22
+    assert prefill.swap_space == decode.swap_space == 0.0  # they share the server's store instead
+    with pytest.raises(ValueError, match="decode_config: 'colour' is not an engine setting"):
+        pd_engine_configs(base, None, {"colour": 1})
+    with pytest.raises(ValueError, match="prefill block_size=16, decode block_size=8"):
+        pd_engine_configs(base, None, {"block_size": 8})
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_tp1_prefill_hands_over_to_a_tp2_decode_group(ray_session, tiny_llama, transport):
+    """A decode replica of two tensor-parallel ranks (Ray worker actors) loads what a one-rank
+    prefill replica wrote: the store holds blocks by KV head, not by rank. Over shared memory, and
+    over the store's gRPC service (every rank a gRPC client, as on another node)."""
+    ray_engine = dict(ENGINE, distributed_executor_backend="ray", worker_cpus=1)
+    colocated = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE))
+    prefill = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE))
+    decode = LLMEngine.from_config(EngineConfig(model=tiny_llama, **{**ray_engine, "tensor_parallel_size": 2}))
+    handoff = open_handoff_store([prefill, decode], space_gib=1 / 64, lease_seconds=60.0, transport=transport)
+    try:
+        assert handoff.layout.transport == transport and handoff.layout.shard_by == "kv_head"
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for length in (17, 48, 70):
+            prompt = [(23 * i + length) % 3500 + 21 for i in range(length)]
+            expected = _run(colocated, f"c{length}", prompt, params)
+            got, leased = _handoff(prefill, decode, handoff, f"t{length}", prompt, params)
+            assert leased == (length - 1) // BLOCK
+            assert got.metrics.num_cached_tokens == leased * BLOCK
+            assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert decode.scheduler.kv.pool.num_used == 0 and handoff.pool.num_used == 0
+    finally:
+        for engine in (colocated, prefill, decode):
+            engine.shutdown()
+        handoff.close()

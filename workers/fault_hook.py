@@ -15,6 +15,9 @@ import signal
 import numpy as np
 
 CRASH_ON_TOKEN_ENV = "PAGEDSERVE_FAULT_CRASH_ON_TOKEN"
+# With PAGEDSERVE_FAULT_CRASH_IN_PUBLISH=1 a worker SIGKILLs itself halfway through writing a prefill
+# replica's handoff blocks (StepPlan.publish): a prefill replica that dies mid-transfer.
+CRASH_IN_PUBLISH_ENV = "PAGEDSERVE_FAULT_CRASH_IN_PUBLISH"
 
 
 def armed_token() -> int | None:
@@ -27,7 +30,14 @@ def crash_if_present(input_ids: np.ndarray, token: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def armed_in_publish() -> bool:
+    return os.environ.get(CRASH_IN_PUBLISH_ENV) == "1"
+
+
+def crash() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def forwarded_env() -> dict[str, str]:
-    """The hook's variable as set in this process, for a worker actor's runtime_env."""
-    value = os.environ.get(CRASH_ON_TOKEN_ENV)
-    return {CRASH_ON_TOKEN_ENV: value} if value else {}
+    """The hooks' variables as set in this process, for a worker actor's runtime_env."""
+    return {name: os.environ[name] for name in (CRASH_ON_TOKEN_ENV, CRASH_IN_PUBLISH_ENV) if os.environ.get(name)}

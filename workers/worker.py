@@ -65,6 +65,7 @@ class Worker:
         self._graphs = None
         self.sampler = Sampler(config.seed)
         self._crash_token = fault_hook.armed_token()  # None unless a test armed the hook
+        self._crash_in_publish = fault_hook.armed_in_publish()
         self.node_id = ""  # its Ray node, set by a worker actor (a shared KV store maps by node)
 
     def num_available_blocks(self) -> int:
@@ -143,6 +144,9 @@ class Worker:
         output.corrupt_cpu_blocks = corrupt
         if plan.publish:  # prompt blocks the forward pass just completed, for a decode replica
             published = time.perf_counter()
+            if self._crash_in_publish:  # armed by tests only: dies with half the blocks written
+                self.swap_space.swap_out(plan.publish[:len(plan.publish) // 2])
+                fault_hook.crash()
             self.swap_space.swap_out(plan.publish)
             output.publish_seconds = time.perf_counter() - published
             transfer_seconds += output.publish_seconds
