@@ -218,9 +218,10 @@ class Scheduler:
             self._swap_in(out)
             if not self.swapped:
                 self._admit_waiting(out, budget)
-        for seq, n in out.scheduled:
-            if seq.publish_kv and seq.num_computed_tokens + n == seq.num_tokens:
-                out.publish += kv.publish(seq)
+        if kv_shared(kv):  # (a store lost meanwhile: the prompt is simply not handed over)
+            for seq, n in out.scheduled:
+                if seq.publish_kv and seq.num_computed_tokens + n == seq.num_tokens:
+                    out.publish += kv.publish(seq)
         out.copies = kv.drain_copies()
         out.load = kv.drain_loads()
         out.swap_out += kv.save_evicted()
