@@ -167,15 +167,22 @@ def combine_replica_stats(engines: list) -> dict:
     total["cpu_kv_usage"] = total["cpu_blocks_used"] / total["cpu_blocks_total"] if total["cpu_blocks_total"] else 0.0
     total["kv_fragmentation"] = (sum(s["kv_fragmentation"] * s["kv_blocks_used"] for s in each) / used) if used else 0.0
     total["executor_overhead_us_per_step"] = total["executor_overhead_us_per_step"] / len(each)
-    for name, first in engines[0].metrics.histograms.items():
-        merged = Histogram(first.bounds)
-        for e in engines:
-            h = e.metrics.histograms[name]
-            merged.counts = [a + b for a, b in zip(merged.counts, h.counts)]
-            merged.count += h.count
-            merged.sum += h.sum
+    def merged(histograms) -> Histogram:
+        out = Histogram(histograms[0].bounds)
+        for h in histograms:
+            out.counts = [a + b for a, b in zip(out.counts, h.counts)]
+            out.count += h.count
+            out.sum += h.sum
+        return out
+
+    for name in engines[0].metrics.histograms:
+        h = merged([e.metrics.histograms[name] for e in engines])
         for q in (50, 90, 99):
-            total[f"{name}_p{q}"] = merged.quantile(q / 100)
+            total[f"{name}_p{q}"] = h.quantile(q / 100)
+    for direction in engines[0].metrics.pd_seconds:
+        h = merged([e.metrics.pd_seconds[direction] for e in engines])
+        for q in (50, 99):
+            total[f"pd_transfer_seconds_{direction}_p{q}"] = h.quantile(q / 100)
     samples = sorted(ns for e in engines for ns in e.metrics.recent_alloc_latency_ns)
     total["alloc_latency_us_p50"] = _nearest_rank(samples, 0.50) / 1000.0
     total["alloc_latency_us_p99"] = _nearest_rank(samples, 0.99) / 1000.0

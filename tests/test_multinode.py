@@ -339,3 +339,25 @@ def test_a_lost_nodes_replica_is_rebuilt_on_the_head_and_every_request_completes
         assert {_node_of(cluster, pid) for pid in _driver(cluster, WORKER_PIDS, "2")[lost]} == {0}
     assert stats[f"replica.{lost}.worker_restarts"] + stats["replica_restarts"] > 0
     assert stats["num_replicas"] == 2 and stats["replicas_serving"] == 2
+
+
+def test_prefill_and_decode_on_two_nodes_hand_over_through_the_store_over_grpc(tiny_llama, tmp_path):
+    """`--prefill-replicas 1 --decode-replicas 1` on two 1-CPU nodes: a replica per node, the shared
+    KV store on the prefill replica's node (whose rank maps its segment), and the decode replica's
+    rank loading the handed-over blocks over the store's gRPC service from the other node; the
+    tokens are the offline ones."""
+    prompts = [[(53 * i + 7 * j) % 3000 + 9 for j in range(40 + 9 * i)] for i in range(6)]
+    expected = _offline(tiny_llama, prompts, 8)
+    with NamespaceCluster(num_nodes=2, cpus_per_node=1) as cluster, \
+            _pagedserve_serve(cluster, tiny_llama, tmp_path / "serve.log", "--prefill-replicas", "1",
+                              "--decode-replicas", "1", "--kv-cache-memory", str(1 << 22)) as target:
+        (prefill,), (decode,) = _driver(cluster, WORKER_PIDS, "2")
+        prefill_node, decode_node = _node_of(cluster, prefill), _node_of(cluster, decode)
+        assert {prefill_node, decode_node} == {0, 1}
+        assert _generate_concurrently(target, prompts, 8) == expected
+        with pagedserve.Client(target, timeout=60) as client:
+            stats = client.stats()
+        (store,) = _titled(cluster, prefill_node, "ray::KVStore")
+        assert cluster.node_ips[decode_node] in _listener_peers(cluster, prefill_node, store)
+    assert stats["pd_handoffs"] == len(prompts) and stats["pd_fallback_recomputes"] == 0
+    assert stats["pd_transfer_blocks_loaded"] == stats["pd_transfer_blocks_published"] > 0
