@@ -66,6 +66,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
+from coordinator.engine import _first_line
 from coordinator.kv_cache_manager import hash_block
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
@@ -544,11 +545,6 @@ def _continued(out: RequestOutput, prompt_ids: list[int], before: RequestOutput 
     out.prompt_token_ids = prompt_ids
     out.prompt_logprobs = before.prompt_logprobs
     return out
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _shutdown_quietly(engine: AsyncEngine) -> None:

@@ -84,7 +84,7 @@ class HeadShardedSwapSpace:
         for j, head in enumerate(self._heads):
             self.layout.check(cpu, head)
             if self._shm is None:
-                rows = {c: np.empty(self._data_bytes(), np.uint8) for c in cpu}
+                rows = {c: np.empty(self.layout.block_bytes, np.uint8) for c in cpu}
                 corrupt.update(self._client.get_shards(head, cpu, rows, release=False))
                 for c, d in pairs:
                     slab = torch.from_numpy(rows[c]).view(self._cache.dtype).view(self._head_view_shape)
@@ -97,9 +97,6 @@ class HeadShardedSwapSpace:
                     corrupt.add(c)
                 self._cache[d, :, :, :, j, :].copy_(self._slab(c, head))
         return sorted(corrupt)
-
-    def _data_bytes(self) -> int:
-        return self.layout.block_bytes
 
     def finish(self) -> None:
         """Copies are synchronous here (a GPU's go through host staging or a blocking copy)."""

@@ -24,3 +24,13 @@ def running_coordinator(config: EngineConfig, env: dict[str, str] | None = None,
     finally:
         ray.get(actor.shutdown.remote(), timeout=60)
         ray.kill(actor)
+
+
+def offline_greedy(offline, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens (EOS ignored) of the offline API `offline` (an LLM) for token-id prompts: what
+    a served stream of the same prompts must equal."""
+    from pagedserve import SamplingParams
+
+    outs = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

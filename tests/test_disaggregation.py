@@ -19,7 +19,7 @@ import ray
 import pagedserve
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from tests.serving import running_coordinator
+from tests.serving import offline_greedy, running_coordinator
 
 BLOCK = 16
 BLOCK_BYTES = 8192  # a whole block of the tiny Llama: 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x fp32
@@ -39,12 +39,6 @@ def pd_server(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, **ENGINE)
     with running_coordinator(config, metrics_port=0, **PD) as (actor, target):
         yield actor, target
-
-
-def _greedy(offline: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = offline.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _prompt(length: int, salt: int) -> list[int]:
@@ -71,7 +65,7 @@ def test_streams_through_prefill_and_decode_give_the_offline_tokens(pd_server, o
     actor, target = pd_server
     # Shorter than a block, exactly 1 and 2 blocks, 2 blocks + 1, and longer.
     prompts = [_prompt(n, i) for i, n in enumerate([5, 16, 32, 33, 47, 80])]
-    expected = _greedy(offline, prompts, 10)
+    expected = offline_greedy(offline, prompts, 10)
 
     async def run():
         async with pagedserve.AsyncClient(target, timeout=120) as client:
@@ -123,7 +117,7 @@ def test_a_decode_replica_without_free_blocks_serves_the_next_request_from_its_l
     step in tests/test_kv_handoff.py.)"""
     _, target = pd_server
     runner, waiter = _prompt(300, 3), _prompt(40, 4)  # 19 of the 20 blocks at once, all 20 at the end
-    expected = _greedy(offline, [runner, waiter], 20)
+    expected = offline_greedy(offline, [runner, waiter], 20)
 
     async def main():
         async with pagedserve.AsyncClient(target, timeout=120) as client:
@@ -150,7 +144,7 @@ def test_a_prefill_replica_that_dies_mid_transfer_is_never_read_and_the_decode_s
     decode replica computes the prompt and gives the same tokens, and the server keeps serving."""
     config = EngineConfig(model=tiny_llama, **ENGINE)
     prompts = [_prompt(70, 41), _prompt(36, 42)]
-    expected = _greedy(offline, prompts, 10)
+    expected = offline_greedy(offline, prompts, 10)
     pd = {**PD, "prefill_config": {"max_worker_restarts": 0}}
     with running_coordinator(config, env={"PAGEDSERVE_FAULT_CRASH_IN_PUBLISH": "1"}, http=False, **pd) as (_, target):
         with pagedserve.Client(target, timeout=120) as client:

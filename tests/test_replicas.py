@@ -18,7 +18,7 @@ import ray
 import pagedserve
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from tests.serving import running_coordinator
+from tests.serving import offline_greedy, running_coordinator
 
 # One CPU per worker: the module's long-lived server and a test's own one fit the session's 4.
 ENGINE = dict(kv_cache_memory=1 << 22, max_num_seqs=64, worker_cpus=1)
@@ -38,12 +38,6 @@ def two_replicas(ray_session, tiny_llama):
         yield actor, target
 
 
-def _greedy(offline: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = offline.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def _routed(stats: dict) -> list[int]:
     return [int(stats[f"replica.{i}.routed"]) for i in range(int(stats["num_replicas"]))]
 
@@ -60,7 +54,7 @@ def _wait_idle(client: pagedserve.Client, seconds: float = 10.0) -> dict:
 def test_concurrent_streams_over_two_replicas_give_the_offline_tokens(two_replicas, offline):
     actor, target = two_replicas
     prompts = [[(97 * i + 13 * j) % 4000 + 5 for j in range(10 + 7 * i)] for i in range(12)]
-    expected = _greedy(offline, prompts, 12)
+    expected = offline_greedy(offline, prompts, 12)
 
     async def run():
         async with pagedserve.AsyncClient(target, timeout=120) as client:
@@ -165,7 +159,7 @@ def test_a_worker_fault_in_one_replica_is_recovered_inside_it(ray_session, tiny_
     """SIGKILL of replica 0's worker with streams on both replicas: every stream ends with the
     fault-free tokens, the restart is replica 0's, and the server stays up throughout."""
     prompts = [[(31 * i + 3 * j) % 3000 + 7 for j in range(20 + i)] for i in range(6)]
-    expected = _greedy(offline, prompts, 40)
+    expected = offline_greedy(offline, prompts, 40)
     config = EngineConfig(model=tiny_llama, **ENGINE)
     with running_coordinator(config, data_parallel_size=2, routing_policy="round-robin",
                              http=False) as (actor, target):
@@ -194,7 +188,7 @@ def test_a_replica_that_stops_hands_its_requests_to_the_other_and_is_rebuilt(ray
     replica 1 and continue from their tokens (the same greedy tokens, none lost or repeated), the
     server never fails, and replica 0 is rebuilt and routed to again."""
     prompts = [[(17 * i + 5 * j) % 3000 + 11 for j in range(24 + i)] for i in range(4)]
-    expected = _greedy(offline, prompts, 48)
+    expected = offline_greedy(offline, prompts, 48)
     config = EngineConfig(model=tiny_llama, max_worker_restarts=0, **ENGINE)
     with running_coordinator(config, data_parallel_size=2, routing_policy="round-robin",
                              http=False) as (actor, target):
