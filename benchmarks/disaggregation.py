@@ -1,11 +1,12 @@
 """Prefill/decode disaggregation, measured: do long prompts arriving mid-stream still stall the
 tokens of running decodes when a prefill replica computes them and hands their KV over?
 
-One workload, the same for every configuration: `--num-decodes` long-running greedy decodes
-(prompts of 32 seeded token ids, `--decode-tokens` output tokens each, EOS ignored) while long
+One workload, the same for every configuration: `--num-decodes` greedy decodes (prompts of 32
+seeded token ids, EOS ignored) stream for `--window` seconds and are then cancelled, while long
 prompts (`--long-min`..`--long-max` seeded token ids, 8 output tokens each) arrive as a Poisson
-process at each of `--rates` per second, until every decode has finished. Configurations, each
-its own coordinator actor in this script's local Ray, one at a time, on `--cores` cores:
+process at each of `--rates` per second during the window (the same prompts at the same times for
+every configuration); then every long prompt is waited for. Configurations, each its own
+coordinator actor in this script's local Ray, one at a time, on `--cores` cores:
 
 - **pd**: one prefill and one decode replica (`--cores`/2 threads each), sharing one KV store;
 - **colocated-N**: one replica of `--cores` threads, chunked prefill with max_num_batched_tokens N
@@ -15,10 +16,11 @@ its own coordinator actor in this script's local Ray, one at a time, on `--cores
 Per configuration and rate, from the client's timestamps of streamed chunks: the decodes'
 inter-token latency (each chunk's gap to the previous chunk of its stream, divided by its tokens)
 p50/p99/max, the long prompts' TTFT p50/p99, output and total (prompt + output) tokens/s over the
-run's wall time; from the server's stats, KV transfer seconds and bytes per handed-over request.
+run's wall time (the window and the long prompts' drain); from the server's stats, KV transfer
+seconds and bytes per handed-over request. The JSON is rewritten after every configuration.
 Target: P/D decodes' ITL p99 <= 1.5 x their ITL p50 at every rate (reported for every config).
 
-    .venv/bin/python benchmarks/disaggregation.py                                   # ~15-30 minutes
+    .venv/bin/python benchmarks/disaggregation.py                                   # ~20-25 minutes
     .venv/bin/python benchmarks/disaggregation.py --smoke --model /tmp/tiny_pd      # smoke test
 """
 
@@ -55,32 +57,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf file")
     p.add_argument("--num-decodes", type=int, default=4)
-    p.add_argument("--decode-tokens", type=int, default=256, help="output tokens of each decode")
+    p.add_argument("--decode-tokens", type=int, default=4096,
+                   help="most output tokens of each decode (they are cancelled at the window's end)")
+    p.add_argument("--window", type=float, default=60.0, help="seconds the decodes run and long prompts arrive")
     p.add_argument("--long-min", type=int, default=1024, help="fewest tokens of a long prompt")
     p.add_argument("--long-max", type=int, default=2048, help="most tokens of a long prompt")
-    p.add_argument("--rates", default="0.1,0.2,0.4", help="long prompts per second, comma-separated")
+    p.add_argument("--rates", default="0.05,0.1,0.2", help="long prompts per second, comma-separated")
     p.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"a subset of {','.join(ALL_CONFIGS)}")
     p.add_argument("--cores", type=int, default=2, help="worker threads in all: P/D and two replicas split them")
     p.add_argument("--kv-cache-memory", type=int, default=512 * MiB, help="bytes of KV pool per replica")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, help="shorter prompts skip the prefill hop")
+    p.add_argument("--pd-decode-prefill-chunk", type=int, default=None,
+                   help="the decode replica's long_prefill_token_threshold (default 1)")
+    p.add_argument("--pd-decode-load-blocks", type=int, default=None,
+                   help="the decode replica's max_loaded_blocks_per_step (default 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="1 decode of 24 tokens, 1 rate, short 'long' prompts")
     p.add_argument("--result-json", default=None, help="default benchmarks/results/disaggregation[_smoke].json")
     p.add_argument("--plot", default=None, help="default docs/disaggregation.png (smoke: under benchmarks/results)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.num_decodes, args.decode_tokens, args.rates = 1, 24, "1.0"
+        args.num_decodes, args.decode_tokens, args.rates, args.window = 1, 24, "1.0", 4.0
         args.long_min, args.long_max, args.configs = 64, 96, "pd,colocated-64"
     suffix = "_smoke" if args.smoke else ""
     args.result_json = args.result_json or f"benchmarks/results/disaggregation{suffix}.json"
-    args.plot = args.plot or (f"benchmarks/results/disaggregation{suffix}.png" if args.smoke
+    args.plot = args.plot if args.plot is not None else (f"benchmarks/results/disaggregation{suffix}.png" if args.smoke
                               else "docs/disaggregation.png")
     args.rates = [float(r) for r in args.rates.split(",")]
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - set(ALL_CONFIGS))
-    if unknown or not 1 <= args.long_min <= args.long_max or args.decode_tokens < 2 or min(args.rates) <= 0:
+    if (unknown or not 1 <= args.long_min <= args.long_max or args.decode_tokens < 2 or min(args.rates) <= 0
+            or args.window <= 0):
         p.error(f"need --configs among {','.join(ALL_CONFIGS)} (got {unknown or 'ok'}), "
-                "1 <= --long-min <= --long-max, --decode-tokens >= 2 and --rates > 0")
+                "1 <= --long-min <= --long-max, --decode-tokens >= 2, --rates > 0 and --window > 0")
     return args
 
 
@@ -89,8 +98,11 @@ def configuration(name: str, args) -> tuple[EngineConfig, dict]:
     half = max(1, args.cores // 2)
     base = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, enable_chunked_prefill=True)
     if name == "pd":
+        decode = {k: v for k, v in (("long_prefill_token_threshold", args.pd_decode_prefill_chunk),
+                                    ("max_loaded_blocks_per_step", args.pd_decode_load_blocks)) if v is not None}
         return EngineConfig(**base, worker_cpus=half), dict(
-            prefill_replicas=1, decode_replicas=1, pd_min_prompt_tokens=args.pd_min_prompt_tokens)
+            prefill_replicas=1, decode_replicas=1, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+            decode_config=decode)
     if name == "two-replicas":
         return EngineConfig(**base, worker_cpus=half), dict(data_parallel_size=2, routing_policy="auto")
     tokens = int(name.removeprefix("colocated-"))
@@ -103,15 +115,21 @@ def ids(rng: random.Random, n: int) -> list[int]:
 
 
 async def run_rate(target: str, rate: float, rate_index: int, args) -> dict:
-    """One pass at `rate`; the prompts depend on the seed and the rate's index only (the same for
-    every configuration, never cached from an earlier rate)."""
+    """One pass at `rate`: the decodes stream for `--window` seconds (then are cancelled) while
+    long prompts arrive; then every long prompt is waited for. The prompts and arrival times
+    depend on the seed and the rate's index only: the same for every configuration."""
     rng = random.Random(args.seed * 1000 + rate_index)
     decode_prompts = [ids(rng, 32) for _ in range(args.num_decodes)]
-    async with pagedserve.AsyncClient(target, timeout=600) as client:
+    arrivals, t = [], rng.expovariate(rate)
+    while t < args.window:
+        arrivals.append((t, ids(rng, rng.randint(args.long_min, args.long_max))))
+        t += rng.expovariate(rate)
+    async with pagedserve.AsyncClient(target, timeout=1800) as client:
         before = await client.stats()
         start = time.perf_counter()
+        end = start + args.window
 
-        async def stream(prompt, max_tokens):
+        async def stream(prompt, max_tokens, until=None):
             sent = last = time.perf_counter()
             ttft, gaps, tokens = None, [], 0
             async for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
@@ -121,20 +139,19 @@ async def run_rate(target: str, rate: float, rate_index: int, args) -> dict:
                 elif chunk.token_ids:
                     gaps.append((now - last) / len(chunk.token_ids))
                 last, tokens = now, tokens + len(chunk.token_ids)
+                if until is not None and now >= until:
+                    break  # the window is over: cancel the stream (the server aborts it)
             return {"prompt": len(prompt), "tokens": tokens, "ttft": ttft, "gaps": gaps, "done": last}
 
-        decodes = asyncio.gather(*(stream(p, args.decode_tokens) for p in decode_prompts))
-        longs, next_at = [], start
-        while not decodes.done():
-            next_at += rng.expovariate(rate)
-            await asyncio.wait([decodes], timeout=max(0.0, next_at - time.perf_counter()))
-            if not decodes.done():
-                prompt = ids(rng, rng.randint(args.long_min, args.long_max))
-                longs.append(asyncio.ensure_future(stream(prompt, 8)))
-        decoded = await decodes
+        decodes = [asyncio.ensure_future(stream(p, args.decode_tokens, end)) for p in decode_prompts]
+        longs = []
+        for at, prompt in arrivals:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            longs.append(asyncio.ensure_future(stream(prompt, 8)))
+        decoded = list(await asyncio.gather(*decodes))
         longs = list(await asyncio.gather(*longs))
         after = await client.stats()
-    return summarize(decoded, longs, start, before, after)
+    return summarize(decoded, longs, start, args.window, before, after)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -144,9 +161,10 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def summarize(decoded: list[dict], longs: list[dict], start: float, before: dict, after: dict) -> dict:
+def summarize(decoded: list[dict], longs: list[dict], start: float, window: float, before: dict,
+              after: dict) -> dict:
     everything = decoded + longs
-    wall = max(r["done"] for r in everything) - start
+    wall = max(window, max(r["done"] for r in everything) - start)  # the window, then the long prompts' drain
     gaps = [g for r in decoded for g in r["gaps"]]
     ttfts = [r["ttft"] for r in longs]
     output = sum(r["tokens"] for r in everything)
@@ -250,16 +268,16 @@ def main(argv=None) -> None:
     ray.init(num_cpus=max(4, args.cores + 2), include_dashboard=False, log_to_driver=False)
     res = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                            "load_average_at_start": os.getloadavg()}, "configs": {}}
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     try:
         for name in args.configs:
             res["configs"][name] = run_config(name, args)
+            res["machine"]["load_average_at_end"] = os.getloadavg()
+            res["target"] = {"rule": f"ITL p99 <= {TARGET_RATIO} x ITL p50 at every rate",
+                             **{name: rep["itl_target_met"] for name, rep in res["configs"].items()}}
+            Path(args.result_json).write_text(json.dumps(res, indent=2, default=str))
     finally:
         ray.shutdown()
-    res["machine"]["load_average_at_end"] = os.getloadavg()
-    res["target"] = {"rule": f"ITL p99 <= {TARGET_RATIO} x ITL p50 at every rate",
-                     **{name: rep["itl_target_met"] for name, rep in res["configs"].items()}}
-    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.result_json).write_text(json.dumps(res, indent=2, default=str))
     print(table(res["configs"]))
     print(f"results: {args.result_json}")
     if args.plot:

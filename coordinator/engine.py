@@ -81,7 +81,8 @@ class LLMEngine:
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cpu_pool=cpu_pool)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                   config.preemption_mode, model.eos_token_ids, self.max_model_len)
+                                   config.preemption_mode, model.eos_token_ids, self.max_model_len,
+                                   config.long_prefill_token_threshold, config.max_loaded_blocks_per_step)
         self.core = EngineCore(self.scheduler, executor, config.block_size)
         self.input_processor = InputProcessor(tokenizer, model.vocab_size, self.max_model_len, model.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)

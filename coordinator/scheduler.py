@@ -21,6 +21,10 @@ before any new admission, once blocks are free), otherwise by recompute: its blo
 its generated tokens kept, and on readmission its prefill recomputes (or re-finds in the prefix
 cache) the whole context. A step that preempts admits nothing and swaps nothing in.
 
+Loads from the CPU prefix tier may be spread over steps (`max_loaded_blocks_per_step`, set on a P/D
+decode replica): a sequence whose prefix continues in the tier loads at most the step's remaining
+load budget and computes nothing in that step; it loads more, or starts computing, in the next.
+
 After the workers ran a step, `update_from_output` does the scheduler's own bookkeeping, as vLLM's
 does: computed tokens advance, full blocks enter the prefix cache, sampled tokens are appended,
 a request's samples fork off its first sequence, beam searches advance, structured outputs'
@@ -95,7 +99,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, policy: str = "fcfs", preemption_mode: str = "recompute",
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 long_prefill_token_threshold: int = 0, max_loaded_blocks_per_step: int = 0):
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.eos_token_ids = eos_token_ids
@@ -113,6 +118,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # The most prompt tokens one sequence computes per step (0: the budget's): small on a P/D
+        # decode replica, whose prompt tails must not stretch its decodes' steps.
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
+        self.max_loaded_blocks_per_step = max_loaded_blocks_per_step  # 0: every hit at admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Groups swapped out together (a request's running samples or beams), oldest first.
@@ -187,6 +196,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kv = self.kv
+        self._load_budget = self.max_loaded_blocks_per_step or None
 
         # Decodes first, then unfinished prefill chunks, each oldest first: a long prompt's chunks
         # must not stall the decodes of sequences that arrived after it.
@@ -199,7 +209,9 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(remaining[seq], budget)
+            if remaining[seq] > 1 and self._load_budget is not None and self._loads_instead(seq):
+                continue  # its next blocks are in the CPU tier: loaded this step or a later one
+            num_new = min(remaining[seq], budget, self.chunk_cap)
             while not kv.allocate_slots(seq, num_new):
                 group = self._preempt(self._victim(), out)
                 for s in group:
@@ -381,12 +393,19 @@ class Scheduler:
             if seq.params.prompt_logprobs is None:
                 computed = kv.get_computed_blocks(seq)
                 loaded = kv.get_cpu_tier_blocks(seq, len(computed))
-            num_new = seq.num_tokens - (len(computed) + len(loaded)) * kv.block_size
+            spread = self._load_budget is not None and len(loaded) > self._load_budget
+            if spread:  # the rest of its hits load in later steps; nothing is computed meanwhile
+                if not self._load_budget:
+                    break
+                loaded = loaded[:self._load_budget]
+            num_new = 0 if spread else seq.num_tokens - (len(computed) + len(loaded)) * kv.block_size
             if num_new > budget and not self.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, self.chunk_cap)
             if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running), cpu_blocks=loaded):
                 break  # nobody overtakes the head of the queue (the first in policy order)
+            if self._load_budget is not None:
+                self._load_budget -= len(loaded)
             kv.record_prefix_query(seq.num_tokens, len(computed) * kv.block_size, len(loaded) * kv.block_size)
             if seq.first_scheduled_time is None:  # its first admission
                 seq.num_cached_prompt_tokens = (len(computed) + len(loaded)) * kv.block_size
@@ -394,8 +413,29 @@ class Scheduler:
             self._waiting_since.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, num_new))
+            if num_new:
+                out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _loads_instead(self, seq: Sequence) -> bool:
+        """Whether a running prefill's next blocks are CPU-tier hits (admitted with part of them
+        under the step's load budget): load what this step's budget allows and compute nothing;
+        True while any remain to load."""
+        kv, bs = self.kv, self.kv.block_size
+        done = seq.num_computed_tokens // bs
+        if seq.num_computed_tokens % bs or len(seq.block_table) != done or seq.params.prompt_logprobs is not None:
+            return False
+        hits = kv.get_cpu_tier_blocks(seq, done)
+        if not hits:
+            return False
+        take = hits[:self._load_budget]
+        if take and kv.allocate_slots(seq, 0, cpu_blocks=take, keep_watermark=True):
+            self._load_budget -= len(take)
+            kv.record_prefix_query(0, 0, len(take) * bs)  # its query was counted at admission
+            if seq.first_scheduled_time is None:
+                seq.num_cached_prompt_tokens += len(take) * bs
+            return True
+        return not take  # the budget is spent: wait for the next step rather than recompute them
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> list[Sequence]:
         """Swap the victim out with every running sequence of its request (they may share

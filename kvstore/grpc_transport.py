@@ -5,7 +5,7 @@ shared-memory one).
 Data moves as raw bytes in chunks of at most CHUNK_BYTES; headers and manifests are msgpack. Every
 chunk is checked against the pool's layout before a byte is written.
 
-Checksums travel in the headers: the chunk where a shard starts names its crc32 (`checksums`),
+Checksums travel in the headers: the chunk where a shard starts names its checksum (`checksums`),
 taken by the writing rank; the store keeps it beside the shard (a shard put without one gets the
 store's own), sends it back with the shard, and the reading rank checks it, as over shared memory.
 
@@ -128,13 +128,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
     def _check_checksums(self, rank, entries) -> dict[int, int]:
         if not isinstance(entries, list):
-            raise ValueError("checksums must be a list of [block, crc32] integers")
+            raise ValueError("checksums must be a list of [block, checksum] integers")
         out = {}
         for entry in entries:
             if not (isinstance(entry, list) and len(entry) == 2
                     and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
                     and 0 <= entry[1] < 1 << 32):
-                raise ValueError("each checksum must be [block, crc32] integers")
+                raise ValueError("each checksum must be [block, checksum] integers")
             self.layout.check([entry[0]], rank)
             out[entry[0]] = entry[1]
         return out
@@ -211,7 +211,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
 
 def _chunks(rank: int, shards) -> Iterator[bytes]:
-    """Pack (block, bytes, crc32) shards into chunks of up to CHUNK_BYTES: several small shards
+    """Pack (block, bytes, checksum) shards into chunks of up to CHUNK_BYTES: several small shards
     share a message, a large one spans several (per-message costs dominate below ~1 MiB). A
     shard's checksum goes in the header of the chunk where the shard starts."""
     pieces, parts, sums, size = [], [], [], 0
@@ -320,7 +320,7 @@ class GrpcSwapSpace:
         self.put_shards(self.rank, ((c, self._kv_bytes[d].cpu().numpy()) for d, c in pairs))
 
     def put_shards(self, shard: int, rows) -> None:
-        """Write (cpu block, host bytes) rows as shard `shard` of their blocks, each with its crc32
+        """Write (cpu block, host bytes) rows as shard `shard` of their blocks, each with its checksum
         (a GPU's block is staged on the host by the caller)."""
         rows = list(rows)
         self.layout.check([c for c, _ in rows], shard)

@@ -7,7 +7,7 @@ Shard h of a block is KV head h's slab `[num_layers, 2, block_size, head_dim]` (
 store; strided in a rank's cache, whose block is `[.., kv_heads_local, head_dim]`). A rank writes
 the heads it holds, except a head replicated on several ranks (tensor_parallel_size >
 num_kv_heads), which only its first rank writes; every rank reads the heads it holds. Each shard
-carries its crc32 and valid flag as in the per-rank store, and a block is whole once every head
+carries its checksum and valid flag as in the per-rank store, and a block is whole once every head
 is valid.
 
 Ranks on the store's node (`layout.shm_node`, or a store with transport "shm") copy straight

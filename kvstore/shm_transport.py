@@ -2,7 +2,7 @@
 segment and swaps are copies straight between its device cache and the segment, one slab per
 block; no byte passes through the store's process.
 
-Each shard carries a crc32 (kvstore/store.py): written once the shard's data is in the segment,
+Each shard carries a checksum (kvstore/store.py): written once the shard's data is in the segment,
 checked by the rank that reads the shard back. On a GPU the segment is page-locked and the copies
 run on a side stream (kvstore/cuda_transfer.py), so they are asynchronous until `finish()`, which
 is also when a swap-out's checksums can be taken.

@@ -6,7 +6,7 @@ Layout of the named shared-memory segment (created owner-only, mode 0600, by the
     [data: num_cpu_blocks x tp_size x block_bytes_per_rank]
 
 A worker of rank r copies its shard of a device block into data[cpu_block, r], then writes the
-shard's crc32 into crc[cpu_block, r] and sets valid[cpu_block, r]; a block is valid once every
+shard's checksum into crc[cpu_block, r] and sets valid[cpu_block, r]; a block is valid once every
 rank has written its shard. Swapping in reads the shard, checks it against its crc (a mismatch is
 reported, never served: see workers/worker.py) and clears the flag. The coordinator hands out CPU
 block ids (its second allocator) and only moves ids; the data never passes through it.
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import zlib
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
+import xxhash
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +73,11 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def shard_checksum(shard) -> int:
-    """crc32 of one block shard (any contiguous buffer). Measured here: 2.6-3.4 GB/s, ~220-290 us
-    for a SmolLM2 fp32 block (737 KB), 3-5x the copy itself; paid at swap-out and again at
-    swap-in (~30 us per token for the round trip), it stays ~50x below recomputing (~1.6 ms per
-    token of prefill), so swapping still wins."""
-    return zlib.crc32(shard)
+    """The checksum of one block shard (any contiguous buffer): xxh3-64's low 32 bits, which fit
+    the store's uint32 slots and the wire's fields. Measured here on a 240 KB shard: xxh3 29 GB/s,
+    faster than copying it (21 GB/s), where zlib's crc32 ran at 2.4 GB/s; on a P/D handoff of a
+    1.5k-token prompt crc32 was 40 of the decode step's 74 ms of loading."""
+    return xxhash.xxh3_64_intdigest(shard) & 0xFFFFFFFF
 
 
 def check_device_blocks(blocks, num_blocks: int) -> None:
@@ -157,7 +157,7 @@ def _running(pid: int) -> bool:
 
 
 def checksums(shm, layout: StoreLayout) -> np.ndarray:
-    """The crc32 of every shard, crc[num_blocks, tp], in a segment mapped by `attach`."""
+    """The checksum of every shard, crc[num_blocks, tp], in a segment mapped by `attach`."""
     shape = (layout.num_blocks, layout.tp_size)
     return np.frombuffer(shm.buf, np.uint32, shape[0] * shape[1], layout.crc_offset).reshape(shape)
 

@@ -4,7 +4,7 @@ Same node as the store: `ShmSwapSpace` maps the segment (kvstore/shm_transport.p
 `GrpcSwapSpace` streams blocks through the store's service (kvstore/grpc_transport.py). The
 store's layout says which (`layout.transport`), so a worker only calls `open_swap_space`.
 
-Every shard is checksummed (crc32) by the rank that writes it and checked by the rank that reads
+Every shard is checksummed (xxh3, kvstore/store.py) by the rank that writes it and checked by the rank that reads
 it; a shard that fails is reported by `swap_in`, and the coordinator recomputes what it held.
 """
 

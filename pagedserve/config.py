@@ -26,6 +26,9 @@ _EXECUTOR_BACKENDS = ("auto", "uni", "ray")
 class EngineConfig:
     model: str = field(default=BUNDLED_MODEL_ALIAS, metadata={"help": "HF folder, .gguf file or alias"})
     dtype: str = field(default="float32", metadata={"help": "weights and KV cache dtype"})
+    quantization: str = field(default="none", metadata={
+        "help": "none, or int8: the decoder's linear layers as int8 weights with a scale per output "
+                "channel (CPU; the embeddings and LM head stay in dtype)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (8, 16 or 32)"})
     kv_cache_memory: int = field(default=1 << 30, metadata={"help": "KV pool bytes on CPU"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory to use"})
@@ -37,6 +40,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over steps"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences per step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per step"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "most prompt tokens one request computes in a step (chunked prefill); 0: no cap but the "
+                "step's budget. A P/D decode replica computes its prompt tails this way (default 1 there)"})
+    max_loaded_blocks_per_step: int = field(default=0, metadata={
+        "help": "most CPU prefix-tier blocks loaded in one step; a longer hit loads over several steps. "
+                "0: no cap (a P/D decode replica's default is 16)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: model's)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks"})
     distributed_executor_backend: str = field(default="auto", metadata={
@@ -64,6 +73,8 @@ class EngineConfig:
     restart_window: float = field(default=600.0, metadata={"help": "seconds over which max_worker_restarts counts"})
 
     def __post_init__(self) -> None:
+        if self.quantization is None:  # vLLM's spelling of no quantization
+            self.quantization = "none"
         self.validate()
 
     def validate(self) -> None:
@@ -75,11 +86,20 @@ class EngineConfig:
         _one_of("kv_transport", self.kv_transport, ("auto", "shm", "grpc"))
         _one_of("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         _one_of("device", self.device, ("cpu", "cuda"))
+        _one_of("quantization", self.quantization, ("none", "int8"))
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU int8 kernel; "
+                             f"device {self.device!r} is not supported")
         _one_of("distributed_executor_backend", self.distributed_executor_backend, _EXECUTOR_BACKENDS)
         _at_least("kv_cache_memory", self.kv_cache_memory, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _at_least("max_loaded_blocks_per_step", self.max_loaded_blocks_per_step, 0)
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
+                             "enable_chunked_prefill: a capped prompt is computed in chunks")
         _at_least("worker_cpus", self.worker_cpus, 0)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) > 1 needs "

@@ -180,3 +180,33 @@ def test_no_cpu_tier_without_prefix_caching_or_store(tiny_llama):
         assert llm.stats()["cpu_blocks_cached"] == 0
     with LLM(tiny_llama, kv_cache_memory=TIGHT) as llm:
         assert not llm.engine.scheduler.kv.cpu_tier_enabled and llm.stats()["cpu_blocks_total"] == 0
+
+
+def test_a_long_tier_hit_loads_over_steps_under_the_load_budget_and_its_tail_a_token_a_step():
+    """A P/D decode replica's settings: at most 2 blocks loaded per step, prompt chunks of 1
+    token. The hit's 5 blocks load over 3 steps in which it computes nothing; then its 2-token
+    tail, one token a step. A decode running beside it is scheduled in every step."""
+    kv, cpu = _tier(num_blocks=32, num_cpu_blocks=16)
+    sched = Scheduler(kv, 8, 64, True, long_prefill_token_threshold=1, max_loaded_blocks_per_step=2)
+    decode = make_seq(0, 3)
+    sched.add(decode)
+    while not decode.output_token_ids:  # its prompt, a token a step too
+        run_step(sched)
+    handed_over = make_seq(1, 5 * BS + 2)
+    kv._extend_hashes(handed_over, 5)
+    for h in handed_over.block_hashes:  # published by a prefill replica: cached in the tier, free
+        block = cpu.allocate()
+        cpu.register(block, h)
+        cpu.decref(block)
+    sched.add(handed_over)
+    loads, computed = [], []
+    while not handed_over.output_token_ids:
+        out = run_step(sched)
+        assert (decode, 1) in out.scheduled
+        loads.append(len(out.load))
+        computed.append(dict((s.seq_id, n) for s, n in out.scheduled).get(1, 0))
+    assert loads == [2, 2, 1, 0, 0] and computed == [0, 0, 0, 1, 1]
+    assert handed_over.num_cached_prompt_tokens == 5 * BS and kv.prefix_stats.cpu_hits == 5 * BS
+    for seq in (decode, handed_over):
+        sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert kv.pool.num_used == 0 and cpu.num_used == 0

@@ -220,10 +220,45 @@ def test_pd_engine_configs_apply_each_sides_settings_and_refuse_a_mismatch():
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (1, 2)
     assert decode.kv_cache_memory == 1 << 21 and prefill.kv_cache_memory == 1 << 22
     assert prefill.swap_space == decode.swap_space == 0.0  # they share the server's store instead
+    # The decode side computes tails a token a step and spreads its loads; the prefill side does not.
+    assert (decode.long_prefill_token_threshold, decode.max_loaded_blocks_per_step) == (1, 16)
+    assert (prefill.long_prefill_token_threshold, prefill.max_loaded_blocks_per_step) == (0, 0)
+    _, decode = pd_engine_configs(base, None, {"long_prefill_token_threshold": 0, "max_loaded_blocks_per_step": 4})
+    assert (decode.long_prefill_token_threshold, decode.max_loaded_blocks_per_step) == (0, 4)
     with pytest.raises(ValueError, match="decode_config: 'colour' is not an engine setting"):
         pd_engine_configs(base, None, {"colour": 1})
     with pytest.raises(ValueError, match="prefill block_size=16, decode block_size=8"):
         pd_engine_configs(base, None, {"block_size": 8})
+
+
+def test_a_decode_side_that_loads_over_steps_and_computes_its_tail_a_token_a_step_gives_colocated_tokens(
+        tiny_llama, engines):
+    """The P/D decode replica's defaults (prompt chunks of 1 token, a few blocks loaded per
+    step), here 2 blocks a step: greedy and seeded tokens equal the colocated engine's, the
+    handed-over blocks count as cached, and nothing is left held."""
+    colocated = engines[0]
+    prefill = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE))
+    decode = LLMEngine.from_config(EngineConfig(model=tiny_llama, **ENGINE, long_prefill_token_threshold=1,
+                                                max_loaded_blocks_per_step=2))
+    prefill.role, decode.role = "prefill", "decode"
+    handoff = open_handoff_store([prefill, decode], space_gib=1 / 64, lease_seconds=60.0)
+    try:
+        for i, (length, params) in enumerate([
+                (90, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
+                (70, SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=8, ignore_eos=True))]):
+            prompt = [(29 * j + 11 * length) % 3500 + 17 for j in range(length)]
+            expected = _run(colocated, f"cl{i}", prompt, params)
+            got, leased = _handoff(prefill, decode, handoff, f"hl{i}", prompt, params)
+            assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+            assert leased == (length - 1) // BLOCK
+            assert got.metrics.num_cached_tokens == leased * BLOCK  # loaded, over several steps
+        for engine in (prefill, decode):
+            assert engine.scheduler.kv.pool.num_used == 0
+        assert handoff.pool.num_used == 0 and not handoff.leases
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        handoff.close()
 
 
 @pytest.mark.parametrize("transport", ["shm", "grpc"])

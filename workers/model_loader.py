@@ -23,6 +23,7 @@ from torch import nn
 from pagedserve.config import ModelSource, cache_dir
 from workers.models.llama import LlamaForCausalLM, rope_tables
 from workers.parallel import TensorParallel
+from workers.quantization import check_supported, quantize_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -35,15 +36,20 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, max_positions: int,
-               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
-    """This rank's shard of the model: every rank reads the checkpoint and keeps its slices."""
+               tp: TensorParallel = TensorParallel(), quantization: str = "none") -> LlamaForCausalLM:
+    """This rank's shard of the model: every rank reads the checkpoint and keeps its slices
+    (then quantizes them, with `quantization` "int8": workers/quantization.py)."""
     with torch.device("meta"), _no_weight_init():
         model = LlamaForCausalLM(hf_config, max_positions, tp)
     # Buffers (rope tables) are computed, not loaded: build them for real on the target device.
     model = model.to_empty(device=device)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(hf_config, max_positions))
     model.load_weights(_named_tensors(source))
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if quantization != "none":
+        check_supported(quantization, device)
+        quantize_model(model, dtype)
+    return model
 
 
 @contextlib.contextmanager

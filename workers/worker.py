@@ -47,7 +47,8 @@ class Worker:
         # The caller's copy when it has one (parsing a GGUF file's config takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(source)
         torch.manual_seed(config.seed)
-        self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len, tp)
+        self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len, tp,
+                                config.quantization)
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.dtype)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import TensorParallel
+from workers.quantization import int8_linear
 
 
 # Up to this many tokens (decode batches), MKL's sgemm computes the weight-major product
@@ -19,11 +20,20 @@ from workers.parallel import TensorParallel
 SKINNY_TOKENS = 96
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dtype == torch.int8:  # quantization="int8": workers/quantization.py
+        out = int8_linear(x, weight, scale)
+        return out if bias is None else out + bias
     if x.shape[0] > SKINNY_TOKENS:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
     return out if bias is None else out + bias
+
+
+def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """`layer` applied to x: dense, or int8 rows with their scales once quantized."""
+    return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None))
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +100,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, meta):
         t = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = _apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
         k = _apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -98,7 +108,7 @@ class LlamaAttention(nn.Module):
         layer_cache = kv_cache[:, self.layer_idx]
         meta.backend.write_kv(k, v, layer_cache, meta)
         out = meta.backend.paged_attention(q, k, v, layer_cache, meta, self.scale)
-        return self.tp.all_reduce(linear(out.view(t, self.q_size), self.o_proj.weight))
+        return self.tp.all_reduce(project(out.view(t, self.q_size), self.o_proj))
 
 
 class LlamaMLP(nn.Module):
@@ -112,8 +122,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight))
+        gate, up = project(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return self.tp.all_reduce(project(F.silu(gate) * up, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,89 @@
+"""Weight-only int8 (`quantization="int8"`): the rounding's error bound, the CPU kernel against a
+dequantized matmul, and a whole engine against transformers running the same dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
+from workers.quantization import INT8_LAYERS, int8_linear, quantize_int8
+
+PROMPT = [(37 * i + 11) % 900 + 5 for i in range(40)]
+
+
+def test_each_weight_is_within_half_its_rows_scale_and_each_rows_largest_maps_to_127():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * torch.linspace(0.01, 3.0, 96)[:, None]  # rows of very different ranges
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (96,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(q.abs().amax(dim=1), torch.full((96,), 127, dtype=torch.int8))
+    error = (w - q.float() * scale[:, None]).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 130])
+def test_the_int8_kernel_equals_a_matmul_with_the_dequantized_weight(dtype, tokens):
+    torch.manual_seed(tokens)
+    w, x = torch.randn(48, 64), torch.randn(tokens, 64)
+    q, scale = quantize_int8(w)
+    expected = x.float() @ (q.float() * scale[:, None]).t()
+    got = int8_linear(x.to(dtype), q, scale.to(dtype)).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(got, expected, atol=tolerance, rtol=tolerance if dtype == torch.float32 else 0.02)
+
+
+def _dequantized_hf(model_dir: str):
+    """transformers' model with every decoder projection replaced by its int8 round trip."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in names:
+                # Rows are quantized one by one, so q/k/v alone round as inside the fused qkv_proj.
+                q, scale = quantize_int8(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+    return hf
+
+
+def test_an_int8_engine_computes_what_transformers_computes_with_the_dequantized_weights(tiny_llama):
+    with LLM(tiny_llama, kv_cache_memory=1 << 24, quantization="int8") as llm:
+        model = llm.engine.executor.worker.model
+        layer = model.layers[0]
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert module.weight.dtype == torch.int8 and module.weight_scale.dtype == torch.float32
+        assert model.embed_tokens.weight.dtype == torch.float32  # and the tied LM head
+        out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+        assert llm.stats()["kv_blocks_used"] == 0
+    with torch.inference_mode():
+        reference = torch.log_softmax(_dequantized_hf(tiny_llama)(torch.tensor([PROMPT])).logits[0].float(), -1)
+    for position, step in enumerate(out.prompt_logprobs[1:]):
+        token = PROMPT[position + 1]
+        assert abs(step[token].logprob - reference[position, token].item()) < 1e-4
+
+
+def test_int8_logprobs_differ_from_fp32_but_only_slightly(tiny_llama):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for quantization in ("none", "int8"):
+        with LLM(tiny_llama, kv_cache_memory=1 << 24, quantization=quantization) as llm:
+            out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+        runs[quantization] = [step[PROMPT[i + 1]].logprob for i, step in enumerate(out.prompt_logprobs[1:])]
+    diffs = [abs(a - b) for a, b in zip(runs["none"], runs["int8"])]
+    scale = sum(abs(a) for a in runs["none"]) / len(diffs)  # ~log(vocab): a random model's logprobs
+    assert 0 < sum(diffs) / len(diffs) < 0.02 * scale
+
+
+def test_unknown_or_unsupported_quantization_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="quantization must be one of none, int8; got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization 'int8' runs on torch's CPU int8 kernel; device 'cuda'"):
+        EngineConfig(quantization="int8", device="cuda")
+    assert EngineConfig(quantization=None).quantization == "none"  # vLLM's spelling
+    assert set(INT8_LAYERS) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
