@@ -40,6 +40,7 @@ from coordinator.sequence import SequenceStatus
 from coordinator.stats import IterationStats, SchedulerStats, engine_stats, scheduler_stats
 from kvstore.store import StoreHandle
 from pagedserve.config import EngineConfig, check_batched_tokens, resolve_model
+from pagedserve.config import SpeculativeConfig
 from workers.executor import Executor, WorkerFailedError
 from workers.model_config import ModelInfo, load_hf_config
 
@@ -82,7 +83,9 @@ class LLMEngine:
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.preemption_mode, model.eos_token_ids, self.max_model_len,
-                                   config.long_prefill_token_threshold, config.max_loaded_blocks_per_step)
+                                   config.long_prefill_token_threshold, config.max_loaded_blocks_per_step,
+                                   SpeculativeConfig.from_dict(config.speculative_config)
+                                   if config.speculative_config is not None else None)
         self.core = EngineCore(self.scheduler, executor, config.block_size)
         self.input_processor = InputProcessor(tokenizer, model.vocab_size, self.max_model_len, model.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)

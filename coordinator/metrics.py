@@ -91,6 +91,7 @@ class EngineMetrics:
         self.worker_restarts: Counter[str] = Counter()  # by cause: death, hang, error
         self.requests_resumed = 0
         self.kv_checksum_failures = 0  # CPU blocks whose checksum failed when read back
+        self.spec = Counter(draft=0, accepted=0, steps=0)  # speculative decoding's totals
         # Prefill/decode handoffs: blocks this replica published to (or loaded from) the shared
         # store, and the seconds of each step's transfers, by direction.
         self.pd_blocks: Counter[str] = Counter(publish=0, load=0)
@@ -112,6 +113,8 @@ class EngineMetrics:
         self.worker_restarts.update(it.worker_restarts)
         self.requests_resumed += it.requests_resumed
         self.kv_checksum_failures += it.kv_checksum_failures
+        if it.spec_verify_steps:
+            self.spec.update(draft=it.spec_draft_tokens, accepted=it.spec_accepted_tokens, steps=it.spec_verify_steps)
         for value in it.recovery_seconds:
             observe["recovery_seconds"].observe(value)
         for published, publish_seconds, loaded, load_seconds in it.pd_transfers:

@@ -60,10 +60,29 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
     sampling = []
     grammars = []  # of the sequences that sample under a structured output, one mask row each
     prompt_logprobs = []
+    drafts_of = sched.drafts
+    logit_rows = [] if drafts_of else None  # the flat row of each sampling entry, with drafts
     t = 0
     for i, (seq, n) in enumerate(scheduled):
         start, table = seq.num_computed_tokens, seq.block_table
         end = start + n
+        drafts = drafts_of.get(seq) if drafts_of else None
+        if drafts:  # its last token, then its drafts: one causal chunk, every position sampled
+            pos = np.arange(start, end)
+            input_ids[t] = seq.token_ids[start]
+            input_ids[t + 1:t + n] = drafts
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = np.asarray(table)[pos // block_size] * block_size + pos % block_size
+            query_lens[i] = n
+            context_lens[i] = end
+            block_tables[i, :len(table)] = table
+            for j in range(n):
+                sample_indices.append(i)
+                sampling.append(sampling_for(seq, eos_token_ids))
+                sampling[-1].position = seq.num_tokens + j  # seeded noise as without drafts
+                logit_rows.append(t + j)
+            t += n
+            continue
         if n == 1:  # decodes: plain Python beats numpy's per-call overhead
             input_ids[t] = seq.token_ids[start]
             positions[t] = start
@@ -84,6 +103,8 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         if end == seq.num_tokens:
             sample_indices.append(i)
             sampling.append(sampling_for(seq, eos_token_ids))
+            if logit_rows is not None:
+                logit_rows.append(t + n - 1)
             mask_row = -1
             if seq.grammar is not None:
                 mask_row = sampling[-1].bitmask_index = len(grammars)
@@ -92,6 +113,8 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
             # first token has its parent's mask (its matcher is copied from the parent's after).
             for j, fork_id in enumerate(seq.fork_ids, start=1):
                 sample_indices.append(i)
+                if logit_rows is not None:
+                    logit_rows.append(t + n - 1)
                 sampling.append(sampling_for(seq, eos_token_ids, fork_id, j))
                 sampling[-1].bitmask_index = mask_row
         t += n
@@ -100,6 +123,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         input_ids=input_ids, positions=positions, query_lens=query_lens, context_lens=context_lens,
         block_tables=block_tables, slot_mapping=slot_mapping,
         sample_indices=np.asarray(sample_indices, dtype=np.int64), sampling=sampling,
+        logit_rows=None if logit_rows is None else np.asarray(logit_rows, dtype=np.int64),
         copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
         publish=sched.publish,
         finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs,

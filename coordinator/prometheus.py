@@ -124,6 +124,10 @@ class PagedserveCollector:
                      lambda s, e: s["requests_resumed"])
         yield simple(C, "kv_checksum_failures", "KV store blocks whose checksum failed when read back (what "
                      "they held was recomputed, never served)", lambda s, e: s["kv_checksum_failures_total"])
+        yield simple(C, "spec_draft_tokens", "Speculative draft tokens verified",
+                     lambda s, e: s["spec_draft_tokens_total"])
+        yield simple(C, "spec_accepted_tokens", "Speculative draft tokens accepted",
+                     lambda s, e: s["spec_accepted_tokens_total"])
         yield labelled(C, "requests_finished", "Requests finished, by reason", "reason",
                        lambda s, e: {reason: e.metrics.finished[reason] for reason in FINISH_REASONS})
         yield labelled(G, "replica_role", "1 for the replica's prefill/decode role (colocated: both)", "role",

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from coordinator.beam_search import BeamState, advance_beams
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.sampling_params import SamplingParams
+from coordinator.spec_decode import propose_ngram, speculates
+from pagedserve.config import SpeculativeConfig
 from coordinator.sequence import GroupUpdate, NewToken, Sequence, SequenceGroup, SequenceStatus, check_stop
 from coordinator.stats import IterationStats
 from workers.step_plan import StepOutput
@@ -68,6 +70,8 @@ class SchedulerOutput:
     load: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), CPU tier
     publish: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu) after the forward pass
     queue_times: list[float] = field(default_factory=list)  # of requests scheduled for the first time
+    # Speculative decoding: a decode's draft tokens, computed after its last token in this step.
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +104,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, policy: str = "fcfs", preemption_mode: str = "recompute",
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 long_prefill_token_threshold: int = 0, max_loaded_blocks_per_step: int = 0):
+                 long_prefill_token_threshold: int = 0, max_loaded_blocks_per_step: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.eos_token_ids = eos_token_ids
@@ -122,6 +127,7 @@ class Scheduler:
         # decode replica, whose prompt tails must not stretch its decodes' steps.
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.max_loaded_blocks_per_step = max_loaded_blocks_per_step  # 0: every hit at admission
+        self.speculative = speculative  # n-gram drafts for decodes (coordinator/spec_decode.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Groups swapped out together (a request's running samples or beams), oldest first.
@@ -212,9 +218,16 @@ class Scheduler:
             if remaining[seq] > 1 and self._load_budget is not None and self._loads_instead(seq):
                 continue  # its next blocks are in the CPU tier: loaded this step or a later one
             num_new = min(remaining[seq], budget, self.chunk_cap)
+            drafts = self._drafts(seq, budget) if self.speculative is not None and remaining[seq] == 1 else None
+            if drafts and kv.allocate_slots(seq, 1 + len(drafts)):
+                out.drafts[seq] = drafts  # (no room for them: it decodes one token, as usual)
+                scheduled[seq] = 1 + len(drafts)
+                budget -= 1 + len(drafts)
+                continue
             while not kv.allocate_slots(seq, num_new):
                 group = self._preempt(self._victim(), out)
                 for s in group:
+                    out.drafts.pop(s, None)
                     budget += scheduled.pop(s, 0)  # their slots this step are given back
                 out.preempted += group
                 if seq in group:
@@ -265,8 +278,13 @@ class Scheduler:
         self.clear_fault_suspects(out)
         corrupt = output.corrupt_cpu_blocks
         discarded = self._recompute_corrupt(out, corrupt, stats) if corrupt else set()
-        sampled = dict(zip(output.seq_ids, output.token_ids.tolist()))
+        token_list = output.token_ids.tolist()
+        sampled = dict(zip(output.seq_ids, token_list))
         logprobs = dict(zip(output.seq_ids, output.logprobs)) if output.logprobs else {}
+        rows_of: dict[int, list[int]] = {}  # a speculating sequence's rows: its last token's, its drafts'
+        if out.drafts:
+            for row, seq_id in enumerate(output.seq_ids):
+                rows_of.setdefault(seq_id, []).append(row)
         now = time.monotonic()
         updates: dict[str, GroupUpdate] = {}
 
@@ -280,6 +298,10 @@ class Scheduler:
         for seq, n in out.scheduled:
             if seq in discarded:
                 continue  # computed from bad K/V: nothing of it is kept, its sampled token neither
+            if seq in out.drafts:
+                self._accept_drafts(seq, out.drafts[seq], rows_of[seq.seq_id], token_list, output.logprobs,
+                                    update_of(seq), now, stats)
+                continue
             seq.num_computed_tokens += n
             self.kv.commit_computed(seq)
             if seq.seq_id in output.prompt_logprobs:
@@ -308,6 +330,32 @@ class Scheduler:
                 stats.num_generation_tokens += advance_beams(self, update.group, self.eos_token_ids,
                                                              self.max_model_len)
         return list(updates.values())
+
+    def _accept_drafts(self, seq: Sequence, drafts: list[int], rows: list[int], tokens: list[int],
+                       logprobs: list | None, update: GroupUpdate, now: float, stats: IterationStats) -> None:
+        """A speculating decode: its last token and drafts were computed, and each position
+        sampled. Keep the drafts up to the first that differs from its position's sample, then
+        that sample (or, all accepted, the last position's): 1 to len(drafts) + 1 new tokens. Only
+        the accepted positions count as computed; the rejected ones' K/V is overwritten later."""
+        sampled = [tokens[r] for r in rows]
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.num_computed_tokens += 1 + accepted
+        self.kv.commit_computed(seq)
+        stats.spec_draft_tokens += len(drafts)
+        stats.spec_accepted_tokens += accepted
+        stats.spec_verify_steps += 1
+        update.sampled = True
+        self._record_token_time(seq, update.group, now, stats)
+        for row, token in zip(rows[:accepted + 1], sampled[:accepted + 1]):
+            seq.token_ids.append(token)
+            stats.num_generation_tokens += 1
+            update.new_tokens.append(NewToken(seq, token, logprobs[row] if logprobs else None))
+            status = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.finish(seq, status)
+                return
 
     def _recompute_corrupt(self, out: SchedulerOutput, corrupt: list[int], stats: IterationStats) -> set[Sequence]:
         """CPU blocks this step read back (`out.swap_in`, `out.load`) failed their checksum: the
@@ -416,6 +464,19 @@ class Scheduler:
             if num_new:
                 out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """n-gram drafts for a decode, as many as its budget, max_tokens and max_model_len leave
+        room for (a step gains up to drafts + 1 tokens)."""
+        if not speculates(seq):
+            return []
+        spec, p = self.speculative, seq.params
+        k = min(spec.num_speculative_tokens, budget - 1)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens - 1)
+        return propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _loads_instead(self, seq: Sequence) -> bool:
         """Whether a running prefill's next blocks are CPU-tier hits (admitted with part of them

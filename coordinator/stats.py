@@ -73,6 +73,10 @@ class IterationStats:
     # Prefill/decode handoffs through the shared store: (blocks published, their seconds, blocks
     # loaded, their seconds) of a step that moved any (a load's seconds are the step's swap time).
     pd_transfers: list[tuple[int, float, int, float]] = field(default_factory=list)
+    # Speculative decoding: drafts verified, how many were accepted, and in how many sequence-steps.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
 
 
 def scheduler_stats(scheduler) -> SchedulerStats:
@@ -136,6 +140,12 @@ def engine_stats(engine) -> dict:
         **{f"worker_restarts_{cause}": metrics.worker_restarts[cause] for cause in ("death", "hang", "error")},
         "requests_resumed": metrics.requests_resumed,
         "kv_checksum_failures_total": metrics.kv_checksum_failures,
+        "spec_draft_tokens_total": metrics.spec["draft"],
+        "spec_accepted_tokens_total": metrics.spec["accepted"],
+        # accepted / drafted; and tokens gained per speculating sequence-step (accepted + 1 each)
+        "spec_acceptance_rate": metrics.spec["accepted"] / metrics.spec["draft"] if metrics.spec["draft"] else 0.0,
+        "spec_mean_accepted_length": ((metrics.spec["accepted"] + metrics.spec["steps"]) / metrics.spec["steps"]
+                                      if metrics.spec["steps"] else 0.0),
         "pd_transfer_blocks_published": metrics.pd_blocks["publish"],
         "pd_transfer_blocks_loaded": metrics.pd_blocks["load"],
         "pd_transfer_bytes_published": metrics.pd_blocks["publish"] * engine.swap_block_bytes,

@@ -31,6 +31,9 @@ def _json_map(text: str) -> dict:
     return value
 
 
+_TYPES["dict | None"] = _json_map  # speculative_config
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")

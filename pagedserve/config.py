@@ -22,6 +22,43 @@ _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _EXECUTOR_BACKENDS = ("auto", "uni", "ray")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_dict(cls, value: dict) -> "SpeculativeConfig":
+        """Checked, naming the key and its limit; unknown keys are refused."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {value!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        method = value.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}; got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required (an integer >= 1)")
+        config = cls(**{k: value[k] for k in known & set(value)})
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1)):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"speculative_config.{name} must be an integer >= {low}; got {v!r}")
+        if config.num_speculative_tokens > 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be <= 32; got {config.num_speculative_tokens}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({config.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = field(default=BUNDLED_MODEL_ALIAS, metadata={"help": "HF folder, .gguf file or alias"})
@@ -43,6 +80,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "most prompt tokens one request computes in a step (chunked prefill); 0: no cap but the "
                 "step's budget. A P/D decode replica computes its prompt tails this way (default 1 there)"})
+    speculative_config: dict | None = field(default=None, metadata={
+        "help": 'speculative decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, '
+                '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (JSON on the command line); none by default'})
     max_loaded_blocks_per_step: int = field(default=0, metadata={
         "help": "most CPU prefix-tier blocks loaded in one step; a longer hit loads over several steps. "
                 "0: no cap (a P/D decode replica's default is 16)"})
@@ -97,6 +137,8 @@ class EngineConfig:
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _at_least("max_loaded_blocks_per_step", self.max_loaded_blocks_per_step, 0)
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
                              "enable_chunked_prefill: a capped prompt is computed in chunks")

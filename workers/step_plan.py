@@ -77,6 +77,9 @@ class StepPlan:
     slot_mapping: np.ndarray  # [T] int64: block_id * block_size + offset of each new token
     sample_indices: np.ndarray  # [N] int64: which of the S sequences need logits
     sampling: list[SeqSampling]  # [N], parallel to sample_indices
+    # [N] int64: the flat token row whose logits each entry samples; None: its sequence's last
+    # (set when a speculating decode samples every position of its drafts)
+    logit_rows: np.ndarray | None = None
     copy: list[tuple[int, int]] = field(default_factory=list)  # (src_block, dst_block), CoW
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, device_block)

@@ -198,7 +198,8 @@ class Worker:
         if len(plan.sample_indices) == 0:
             return StepOutput([], np.zeros(0, dtype=np.int64), prompt_logprobs=prompt_logprobs)
         # The last token of each sequence that needs logits.
-        last_token = np.cumsum(plan.query_lens)[plan.sample_indices] - 1
+        last_token = (np.cumsum(plan.query_lens)[plan.sample_indices] - 1 if plan.logit_rows is None
+                      else plan.logit_rows)
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
         if logits is None:  # not rank 0: the logits went to rank 0
             return StepOutput([], np.zeros(0, dtype=np.int64))

@@ -1,0 +1,123 @@
+"""Speculative decoding (n-gram proposals), measured: decode tokens/s with and without it, in one run.
+
+Two workloads, both greedy, on the bundled model through the offline API:
+- **input-grounded**: the model is asked (its chat template) to copy out, or lightly edit, a
+  passage of real English it is given (windows of the corpus the other benchmarks use): outputs
+  that copy from the prompt, where prompt lookup finds its drafts;
+- **plain**: the offline benchmark's workload (continuations of windows of text), where drafts
+  are rarely right: speculation must cost little there.
+Each at 1 stream and `--streams` streams, with `num_speculative_tokens` K and without. Reported:
+decode tokens/s, the speed-up, the acceptance rate and the mean tokens gained per verification;
+and that the greedy outputs are identical with and without.
+
+    .venv/bin/python benchmarks/spec_decode.py                              # ~10 minutes
+    .venv/bin/python benchmarks/spec_decode.py --max-tokens 16 --passages 2 # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offline_throughput import MODEL, Stopwatch  # noqa: E402
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.bench.dataset import corpus_text  # noqa: E402
+
+INSTRUCTIONS = ("Copy the following text exactly, word for word:\n\n{}",
+                "Rewrite the following text with every sentence kept, fixing any typos:\n\n{}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--passages", type=int, default=8, help="requests per workload")
+    p.add_argument("--passage-tokens", type=int, default=160, help="tokens of each passage")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--streams", type=int, default=4, help="the batched case's concurrent requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", default="benchmarks/results/spec_decode.json")
+    return p.parse_args(argv)
+
+
+def workloads(tokenizer, args) -> dict[str, list[list[int]]]:
+    corpus = tokenizer.encode(corpus_text(), add_special_tokens=False)
+    rng = random.Random(args.seed)
+    windows = []
+    for _ in range(args.passages):
+        start = rng.randint(0, len(corpus) - args.passage_tokens)
+        windows.append(corpus[start:start + args.passage_tokens])
+    grounded = []
+    for i, window in enumerate(windows):
+        text = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(tokenizer.decode(window))
+        grounded.append(list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False)))
+    return {"input-grounded": grounded, "plain": windows}
+
+
+def run(llm: LLM, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[dict, list]:
+    """Decode tokens/s over the prompts, `streams` at a time; the greedy outputs."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = llm.stats()
+    outputs, tokens = [], 0
+    with Stopwatch() as watch:
+        for i in range(0, len(prompts), streams):
+            batch = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + streams]], params, use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in batch]
+            tokens += sum(len(o.outputs[0].token_ids) for o in batch)
+    after = llm.stats()
+    drafted = after.get("spec_draft_tokens_total", 0) - before.get("spec_draft_tokens_total", 0)
+    accepted = after.get("spec_accepted_tokens_total", 0) - before.get("spec_accepted_tokens_total", 0)
+    return {"tokens": tokens, "seconds": watch.seconds, "tokens_per_s": tokens / watch.seconds,
+            "other_cpu_share": watch.other_cpu_share, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None}, outputs
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    results = {}
+    outputs = {}
+    for mode, extra in (("baseline", {}), ("ngram", {"speculative_config": spec})):
+        with LLM(args.model, **extra) as llm:
+            loads = workloads(llm.get_tokenizer(), args)
+            llm.generate([{"prompt_token_ids": loads["plain"][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+            for name, prompts in loads.items():
+                for streams in (1, args.streams):
+                    key = f"{name}/{streams}"
+                    results.setdefault(key, {})[mode], outputs[(key, mode)] = run(llm, prompts, streams, args.max_tokens)
+                    r = results[key][mode]
+                    print(f"{key:<18} {mode:<9} {r['tokens_per_s']:7.1f} tok/s  acceptance "
+                          f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}", flush=True)
+    for key, r in results.items():
+        r["speedup"] = r["ngram"]["tokens_per_s"] / r["baseline"]["tokens_per_s"]
+        r["identical_outputs"] = outputs[(key, "ngram")] == outputs[(key, "baseline")]
+        steps = r["ngram"]["tokens"] - r["ngram"]["accepted_tokens"]  # one verified token per step, plus accepted
+        r["ngram"]["mean_tokens_per_step"] = r["ngram"]["tokens"] / steps if steps else None
+    res = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+           "results": results}
+    Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.result_json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(f"{'workload/streams':<20}{'base tok/s':>11}{'ngram tok/s':>12}{'speed-up':>9}{'accept':>8}"
+          f"{'tok/step':>9}{'same':>6}")
+    for key, r in results.items():
+        acc = r["ngram"]["acceptance_rate"]
+        print(f"{key:<20}{r['baseline']['tokens_per_s']:>11.1f}{r['ngram']['tokens_per_s']:>12.1f}"
+              f"{r['speedup']:>9.2f}{'-' if acc is None else f'{acc:.2f}':>8}"
+              f"{r['ngram']['mean_tokens_per_step'] or 0:>9.2f}{'yes' if r['identical_outputs'] else 'no':>6}")
+    print(f"results: {args.result_json}")
+
+
+if __name__ == "__main__":
+    main()
