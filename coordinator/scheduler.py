@@ -25,6 +25,9 @@ Loads from the CPU prefix tier may be spread over steps (`max_loaded_blocks_per_
 decode replica): a sequence whose prefix continues in the tier loads at most the step's remaining
 load budget and computes nothing in that step; it loads more, or starts computing, in the next.
 
+Speculative decoding (`speculative`, coordinator/spec_decode.py): a decode with n-gram drafts is
+scheduled for its last token plus the drafts; `update_from_output` keeps the accepted ones.
+
 After the workers ran a step, `update_from_output` does the scheduler's own bookkeeping, as vLLM's
 does: computed tokens advance, full blocks enter the prefix cache, sampled tokens are appended,
 a request's samples fork off its first sequence, beam searches advance, structured outputs'
@@ -51,10 +54,10 @@ from dataclasses import dataclass, field
 from coordinator.beam_search import BeamState, advance_beams
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.sampling_params import SamplingParams
-from coordinator.spec_decode import propose_ngram, speculates
-from pagedserve.config import SpeculativeConfig
 from coordinator.sequence import GroupUpdate, NewToken, Sequence, SequenceGroup, SequenceStatus, check_stop
+from coordinator.spec_decode import propose_ngram, speculates
 from coordinator.stats import IterationStats
+from pagedserve.config import SpeculativeConfig
 from workers.step_plan import StepOutput
 
 log = logging.getLogger(__name__)

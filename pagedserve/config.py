@@ -128,7 +128,7 @@ class EngineConfig:
         _one_of("device", self.device, ("cpu", "cuda"))
         _one_of("quantization", self.quantization, ("none", "int8"))
         if self.quantization != "none" and self.device != "cpu":
-            raise ValueError(f"quantization {self.quantization!r} runs on torch's CPU int8 kernel; "
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU path only; "
                              f"device {self.device!r} is not supported")
         _one_of("distributed_executor_backend", self.distributed_executor_backend, _EXECUTOR_BACKENDS)
         _at_least("kv_cache_memory", self.kv_cache_memory, 1)

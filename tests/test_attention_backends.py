@@ -59,6 +59,9 @@ LAYOUTS = {  # (query_lens, cached_lens)
     "mixed": ([1, 12, 1, 30, 1, 5], [40, 0, 7, 25, 90, 3]),  # decodes, fresh prefills, chunks over context
     "decodes-only": ([1, 1, 1], [15, 64, 33]),
     "prefills-only": ([9, 20], [0, 17]),
+    # Speculative verify steps and P/D tails: chunks of 2-8 tokens over context (the C kernel, a
+    # query per token), beside a decode and a chunk of 9 (the torch path).
+    "small-chunks": ([5, 1, 2, 8, 9], [40, 7, 100, 16, 30]),
 }
 
 

@@ -26,7 +26,7 @@ def test_each_weight_is_within_half_its_rows_scale_and_each_rows_largest_maps_to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 130])
-def test_the_int8_kernel_equals_a_matmul_with_the_dequantized_weight(dtype, tokens):
+def test_the_int8_linear_equals_a_matmul_with_the_dequantized_weight(dtype, tokens):
     torch.manual_seed(tokens)
     w, x = torch.randn(48, 64), torch.randn(tokens, 64)
     q, scale = quantize_int8(w)
@@ -83,7 +83,7 @@ def test_int8_logprobs_differ_from_fp32_but_only_slightly(tiny_llama):
 def test_unknown_or_unsupported_quantization_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="quantization must be one of none, int8; got 'int4'"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="quantization 'int8' runs on torch's CPU int8 kernel; device 'cuda'"):
+    with pytest.raises(ValueError, match="quantization 'int8' runs on the CPU path only; device 'cuda'"):
         EngineConfig(quantization="int8", device="cuda")
     assert EngineConfig(quantization=None).quantization == "none"  # vLLM's spelling
     assert set(INT8_LAYERS) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}

@@ -99,15 +99,23 @@ def usable(device: str, dtype: torch.dtype) -> bool:
 @dataclass(slots=True)
 class CpuMetadata:
     prefills: reference.AttentionMetadata  # every token's slot, the prefills' groups: the torch path
-    decode_rows: torch.Tensor  # [D] flat index of each decode's query
+    decode_rows: torch.Tensor  # [D] flat index of each decode's query (and each small chunk token's)
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32, contiguous
     decode_context_lens: torch.Tensor  # [D] int32
     backend: CpuBackend
 
 
+# Chunks over cached context of up to this many tokens (speculative drafts, a P/D decode
+# replica's prompt tails) run on the C kernel too, as one decode query per token whose context
+# ends at that token: their context is read once per token, which for a few tokens costs less
+# than the torch path's gather into a fresh layout plus SDPA (a 5-token verify step of SmolLM2
+# at 200-token contexts went through the gather path before).
+SMALL_CHUNK = 8
+
+
 class CpuBackend:
-    """Decodes on the C kernel, reading the paged cache in place (no gather); everything else on
-    the torch reference."""
+    """Decodes (and small chunks over cached context) on the C kernel, reading the paged cache in
+    place (no gather); everything else on the torch reference."""
 
     name = "cpu"
 
@@ -117,13 +125,23 @@ class CpuBackend:
     def build_metadata(self, query_lens, context_lens, block_tables, slot_mapping, block_size: int,
                        max_gather_tokens: int = 1 << 30) -> CpuMetadata:
         query_lens, context_lens = query_lens.long(), context_lens.long()
-        prefills = reference.metadata_for(reference.prefill_groups(query_lens, context_lens, block_tables, block_size),
-                                          slot_mapping, block_size)
+        starts = reference.query_starts(query_lens)
+        small = (query_lens > 1) & (query_lens <= SMALL_CHUNK) & (context_lens > query_lens)
+        groups = reference.prefill_groups(query_lens, context_lens, block_tables, block_size)
+        if bool(small.any()):
+            small_starts = set(starts[small].tolist())
+            groups = [g for g in groups if int(g.token_index[0, 0]) not in small_starts]
+        prefills = reference.metadata_for(groups, slot_mapping, block_size)
         prefills.backend = self._torch
-        decodes = (query_lens == 1).nonzero().flatten()
-        return CpuMetadata(prefills, reference.query_starts(query_lens)[decodes],
-                           block_tables[decodes].to(torch.int32).contiguous(),
-                           context_lens[decodes].to(torch.int32).contiguous(), self)
+        # One query row per decode, and per token of each small chunk (its context ends there).
+        owner = torch.nonzero((query_lens == 1) | small).flatten()
+        counts = query_lens[owner]
+        per_row = owner.repeat_interleave(counts)
+        offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        rows = starts[per_row] + offset
+        lens = context_lens[per_row] - query_lens[per_row] + 1 + offset
+        return CpuMetadata(prefills, rows, block_tables[per_row].to(torch.int32).contiguous(),
+                           lens.to(torch.int32).contiguous(), self)
 
     def write_kv(self, key, value, kv_cache, meta: CpuMetadata) -> None:
         reference.write_kv(key, value, kv_cache, meta.prefills)
