@@ -188,22 +188,30 @@ def test_a_replica_that_stops_hands_its_requests_to_the_other_and_is_rebuilt(ray
     replica 1 and continue from their tokens (the same greedy tokens, none lost or repeated), the
     server never fails, and replica 0 is rebuilt and routed to again."""
     prompts = [[(17 * i + 5 * j) % 3000 + 11 for j in range(24 + i)] for i in range(4)]
-    expected = offline_greedy(offline, prompts, 48)
+    max_tokens = 300  # long enough that replica 0's streams are mid-way when its worker dies
+    expected = offline_greedy(offline, prompts, max_tokens)
     config = EngineConfig(model=tiny_llama, max_worker_restarts=0, **ENGINE)
     with running_coordinator(config, data_parallel_size=2, routing_policy="round-robin",
                              http=False) as (actor, target):
         victim = ray.get(actor.worker_pids.remote(0))
 
         async def run():
+            started, all_started = set(), asyncio.Event()
             async with pagedserve.AsyncClient(target, timeout=120) as client:
-                async def stream(prompt):
+                async def stream(i, prompt):
                     tokens = []
-                    async for chunk in client.stream(prompt, max_tokens=48, temperature=0.0, ignore_eos=True):
+                    async for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0.0,
+                                                     ignore_eos=True):
                         tokens += chunk.token_ids
+                        started.add(i)
+                        if len(started) == len(prompts):
+                            all_started.set()
                     return tokens
 
-                tasks = [asyncio.create_task(stream(p)) for p in prompts]
-                await asyncio.sleep(1.0)
+                tasks = [asyncio.create_task(stream(i, p)) for i, p in enumerate(prompts)]
+                # The kill lands once every stream has tokens, not after a fixed sleep (by which
+                # time a fast machine had finished them all, and nothing failed over).
+                await asyncio.wait_for(all_started.wait(), timeout=60)
                 os.kill(victim[0], signal.SIGKILL)
                 return await asyncio.gather(*tasks)
 
