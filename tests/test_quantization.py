@@ -8,7 +8,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from workers.quantization import INT8_LAYERS, int8_linear, quantize_int8
+from workers.models.llama import linear
+from workers.quantization import INT8_LAYERS, quantize_int8
 
 PROMPT = [(37 * i + 11) % 900 + 5 for i in range(40)]
 
@@ -31,7 +32,7 @@ def test_the_int8_linear_equals_a_matmul_with_the_dequantized_weight(dtype, toke
     w, x = torch.randn(48, 64), torch.randn(tokens, 64)
     q, scale = quantize_int8(w)
     expected = x.float() @ (q.float() * scale[:, None]).t()
-    got = int8_linear(x.to(dtype), q, scale.to(dtype)).float()
+    got = linear(x.to(dtype), q, None, scale.to(dtype)).float()
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(got, expected, atol=tolerance, rtol=tolerance if dtype == torch.float32 else 0.02)
 

@@ -3,8 +3,10 @@
 Each output channel (a row of a `[out, in]` weight) gets its own scale, amax / 127, and its
 weights are rounded to int8 in [-127, 127]: the error of any weight is at most half its row's
 scale. Activations stay in the model dtype; each layer widens its int8 rows for one GEMM and
-scales the output per channel, so the weights held (and read from memory) are a quarter of
-fp32's. The embeddings and the LM head (tied to them in SmolLM2) stay in the model dtype,
+scales the output per channel (`workers.models.llama.linear`), so the weights held (and read
+from memory) are a quarter of fp32's. torch's own CPU kernel, `_weight_int8pack_mm`, measured
+here 4x slower than the fp32 GEMM at 1 token and ~60x at 256 (a 3072x576 weight: 1.44 vs
+0.33 ms, 522 vs 10 ms), so it is not used. The embeddings and the LM head (tied to them in SmolLM2) stay in the model dtype,
 as in vLLM's and llama.cpp's int8 schemes: they hold most of a small model's sampling accuracy.
 
 Each rank quantizes its own shard after loading (a row-parallel layer's scales cover the rank's
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-SKINNY_TOKENS = 96  # as workers/models/llama.py: up to this many rows, W @ x^T is the faster order
 
 QUANTIZATIONS = ("none", "int8")
 INT8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -48,15 +48,3 @@ def quantize_model(model: nn.Module, dtype: torch.dtype) -> int:
             module.register_buffer("weight_scale", scale.to(dtype), persistent=False)
             done += 1
     return done
-
-
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x `[T, in]` (model dtype) @ int8 weight `[out, in]`^T, scaled per output channel. The int8
-    rows are widened to the model dtype for one GEMM (read from memory at a quarter of fp32's
-    bytes; the widened copy is the layer's size and stays in cache). torch's own CPU kernel,
-    `_weight_int8pack_mm`, measured here 4x slower than the fp32 GEMM at 1 token and ~60x at
-    256 (a 3072x576 weight: 1.44 vs 0.33 ms, 522 vs 10 ms), so it is not used."""
-    dense = weight.to(x.dtype)
-    if x.shape[0] <= SKINNY_TOKENS:  # the weight-major order, as the dense path (llama.linear)
-        return torch.mm(dense, x.t()).t() * scale
-    return torch.nn.functional.linear(x, dense) * scale
