@@ -328,12 +328,11 @@ def print_report(res: dict) -> None:
 def load_tokenizer_and_config():
     """The workload needs the model's tokenizer before any engine exists; the FLOP count needs
     its shapes."""
-    from transformers import AutoTokenizer
-
+    from workers.gguf_cache import load_tokenizer
     from workers.model_config import load_hf_config
 
     src = resolve_model(MODEL)
-    return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file), load_hf_config(src)
+    return load_tokenizer(src), load_hf_config(src)
 
 
 def main(argv=None) -> None:

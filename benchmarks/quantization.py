@@ -107,12 +107,11 @@ def compare(base: dict, other: dict) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoTokenizer
-
     from pagedserve.config import resolve_model
+    from workers.gguf_cache import load_tokenizer
 
     source = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    tokenizer = load_tokenizer(source)
     requests, windows = make_workload(tokenizer, args), held_out(tokenizer, args)
     runs = {}
     for name in FORMATS:

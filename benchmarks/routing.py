@@ -65,12 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- workloads -----------------------------------------------------------------------------------
 def tokenizer():
-    from transformers import AutoTokenizer
-
     from pagedserve.config import resolve_model
+    from workers.gguf_cache import load_tokenizer
 
     source = resolve_model(MODEL)
-    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    return load_tokenizer(source)
 
 
 def windows(corpus: list[int], rng: random.Random, length: int, count: int) -> list[list[int]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.engine_core import EngineCore
@@ -42,6 +43,7 @@ from kvstore.store import StoreHandle
 from pagedserve.config import EngineConfig, check_batched_tokens, resolve_model
 from pagedserve.config import SpeculativeConfig
 from workers.executor import Executor, WorkerFailedError
+from workers.gguf_cache import load_tokenizer
 from workers.model_config import ModelInfo, load_hf_config
 
 log = logging.getLogger(__name__)
@@ -95,19 +97,27 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         """Load the tokenizer and the model's config, start the workers `config` asks for."""
-        from transformers import AutoTokenizer
-
         from workers.executor import create_executor
 
         source = resolve_model(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source)  # a GGUF file's cached snapshot: no transformers import
         model = ModelInfo.from_hf_config(hf_config)
         _check_model(config, model)  # before any worker starts
-        def build_executor(previous: Executor | None = None) -> Executor:
+
+        def build_executor(previous=None) -> Executor:
             return create_executor(config, source, config.max_model_len or model.max_context, hf_config, previous)
 
-        return cls(config, build_executor(), model, tokenizer, source.name, executor_factory=build_executor)
+        # The tokenizer (seconds: it imports transformers and torch) loads in a thread while the
+        # workers import torch and load the model: a cold start overlaps the two.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, source)
+            executor = build_executor()
+            try:
+                tokenizer = tokenizer.result()
+            except BaseException:
+                executor.shutdown()
+                raise
+        return cls(config, executor, model, tokenizer, source.name, executor_factory=build_executor)
 
     # ---- the KV store ------------------------------------------------------------------------
     def _open_kv_store(self, replacing_dead: bool = False) -> tuple[StoreHandle | None, CpuBlockPool | None]:

@@ -16,12 +16,11 @@ TINY_VOCAB = 49152  # the bundled tokenizer's; tiny models reuse it so text prom
 
 
 def _bundled_tokenizer():
-    from transformers import AutoTokenizer
-
     from pagedserve.config import resolve_model
+    from workers.gguf_cache import load_tokenizer
 
     src = resolve_model("smollm2-135m-instruct")
-    return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    return load_tokenizer(src)
 
 
 @pytest.fixture(scope="session")

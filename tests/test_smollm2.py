@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,20 +106,26 @@ def test_smollm2_beam_search_equals_transformers(smollm2, hf_smollm2, width):
 def test_dequantized_weights_are_cached_and_the_next_load_reads_them(tmp_path, monkeypatch):
     import transformers
 
-    from workers import model_loader
+    from workers import gguf_cache, model_loader
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     src = resolve_model("smollm2-135m-instruct")
-    cached = model_loader.dense_cache_path(src)
-    cached.parent.mkdir(parents=True)
-    stale = cached.with_name(cached.stem.rsplit("-", 1)[0] + "-0123456789abcdef.safetensors")
-    other = cached.with_name("another-model-0123456789abcdef.safetensors")
-    stale.write_bytes(b"x")  # the same GGUF file's cache under an older key (a reinstall)
-    other.write_bytes(b"x")
+    cached = gguf_cache.dense_weights_path(src)
+    folder = cached.parent
+    stem = folder.name.rsplit("-", 1)[0]
+    stale = folder.with_name(stem + "-0123456789abcdef")  # the same GGUF file under an older key
+    legacy = tmp_path / "weights" / f"{stem}-0123456789abcdef.safetensors"  # an older release's place
+    other = folder.with_name("another-model-0123456789abcdef")
+    for path in (stale, other):
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"x")
+    legacy.parent.mkdir()
+    legacy.write_bytes(b"x")
     first = dict(model_loader._gguf_tensors(src))
-    assert cached.parent == tmp_path / "weights" and cached.exists()
-    assert not stale.exists() and other.exists()  # the stale copy is removed, nothing else
+    assert folder.parent == tmp_path / "gguf" and cached.exists()
+    assert not stale.exists() and not legacy.exists() and other.exists()  # only the stale copies go
     assert cached.stat().st_mode & 0o077 == 0  # this user's only
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary file left
 
     def no_dequantizing(*args, **kwargs):
         raise AssertionError("the cached load dequantized the GGUF file again")
@@ -125,3 +135,62 @@ def test_dequantized_weights_are_cached_and_the_next_load_reads_them(tmp_path, m
     # The tied LM head is stored once, under the embedding's name; every other tensor is equal.
     assert set(first) - set(again) == {"lm_head.weight"}
     assert all(torch.equal(first[name], again[name]) for name in again)
+
+
+def test_the_gguf_tokenizer_and_config_are_cached_and_read_back_equal(tmp_path, monkeypatch):
+    """Converting them from the GGUF file takes seconds each in every process that loads the
+    model; the cached copies must behave exactly as the converted ones."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from workers import gguf_cache
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    src = resolve_model("smollm2-135m-instruct")
+    converted_tok = gguf_cache.load_tokenizer(src)
+    converted_cfg = gguf_cache.load_config(src)
+    folder = gguf_cache.cache_folder(src)
+    assert (folder / "tokenizer" / "tokenizer.json").is_file() and (folder / "config" / "config.json").is_file()
+
+    real_from_pretrained = {cls: cls.from_pretrained for cls in (AutoTokenizer, AutoConfig)}
+
+    def refusing_gguf(cls):
+        def from_pretrained(path, *args, **kwargs):
+            assert "gguf_file" not in kwargs, f"{cls.__name__} read the GGUF file again"
+            return real_from_pretrained[cls](path, *args, **kwargs)
+        return from_pretrained
+
+    for cls in real_from_pretrained:
+        monkeypatch.setattr(cls, "from_pretrained", refusing_gguf(cls))
+    tok, cfg = gguf_cache.load_tokenizer(src), gguf_cache.load_config(src)
+
+    texts = PROMPTS + ["  leading spaces\n\ttabs", "ünïcödé 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        ids = converted_tok.encode(text)
+        assert tok.encode(text) == ids and tok.decode(ids) == converted_tok.decode(ids)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        converted_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok)) == \
+        (converted_tok.eos_token_id, converted_tok.bos_token_id, converted_tok.pad_token_id, len(converted_tok))
+    differing = {k for k, v in converted_cfg.to_dict().items() if cfg.to_dict().get(k) != v}
+    assert differing <= {"_name_or_path"}
+    assert type(cfg) is type(converted_cfg) and isinstance(cfg, transformers.PretrainedConfig)
+
+    # What the engine reads: the config's every attribute, without importing transformers.
+    probe = ("import sys; from pagedserve.config import resolve_model; "
+             "from workers.model_config import load_hf_config; "
+             "c = load_hf_config(resolve_model('smollm2-135m-instruct')); "
+             "print(type(c).__name__, c.num_hidden_layers, c.rope_parameters['rope_theta'], 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, check=True, text=True,
+                         env={**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}).stdout.split()
+    assert out == ["ConfigSnapshot", str(converted_cfg.num_hidden_layers),
+                   str(converted_cfg.rope_parameters["rope_theta"]), "False"]
+
+    # A damaged cache costs a conversion, never the load.
+    (folder / "tokenizer" / "tokenizer.json").write_text("{not json")
+    for cls, real in real_from_pretrained.items():
+        monkeypatch.setattr(cls, "from_pretrained", real)
+    assert gguf_cache.load_tokenizer(src).encode(PROMPTS[0]) == converted_tok.encode(PROMPTS[0])
+    assert AutoTokenizer.from_pretrained(str(folder / "tokenizer")).encode(PROMPTS[0]) == \
+        converted_tok.encode(PROMPTS[0])  # and written again

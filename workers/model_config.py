@@ -9,23 +9,45 @@ config, which `load_hf_config` returns fresh on every call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from pagedserve.config import ModelSource
+from workers.gguf_cache import cached_config_attributes, load_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def load_hf_config(source: ModelSource):
-    """The transformers config of a Hugging Face folder or GGUF file; refuses unsupported models."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    """The transformers config of a Hugging Face folder or GGUF file, or the snapshot of a GGUF
+    file's config cached by an earlier load (read without importing transformers); refuses
+    unsupported models."""
+    attributes = cached_config_attributes(source)
+    config = ConfigSnapshot(**attributes) if attributes is not None else load_config(source)
     archs = getattr(config, "architectures", None) or []
     if config.model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
         raise ValueError(f"model type {config.model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return config
+
+
+class ConfigSnapshot(SimpleNamespace):
+    """A transformers config's attributes without its class, as worker actors receive it:
+    unpickling a transformers config imports its class and with it most of transformers and
+    torch.distributed (seconds of every worker's start); unpickling this imports nothing."""
+
+    @classmethod
+    def of(cls, hf_config) -> "ConfigSnapshot":
+        if isinstance(hf_config, ConfigSnapshot):
+            return hf_config
+        return cls(**hf_config.to_dict())
+
+    def to_transformers(self):
+        """The transformers config again (for what only transformers computes: scaled RoPE)."""
+        from transformers import AutoConfig
+
+        attrs = dict(vars(self))
+        return AutoConfig.for_model(attrs.pop("model_type"), **attrs)
 
 
 @dataclass(frozen=True, slots=True)

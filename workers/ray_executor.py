@@ -5,10 +5,10 @@ picks at run time. Every step sends the same plan to every rank; rank 0's output
 and every rank's reports the CPU blocks whose shard failed its checksum on that rank.
 
 Spares (CPU groups): beside each rank waits a spare actor in the same bundle, holding no CPU of
-its own, with its imports done (torch, the model code, transformers' config class: seconds of
-a cold actor's start). After a worker fault the replacement group takes over the placement group
-and the spares (`previous=`), so a rebuild costs a model load and a collective init, not a
-process start; new spares then warm up behind it.
+its own, with its imports done (torch, the model code: seconds of a cold actor's start). After
+a worker fault the replacement group takes over the placement group and the spares
+(`previous=`), so a rebuild costs a model load and a collective init, not a process start; new
+spares then warm up behind it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
+from workers.model_config import ConfigSnapshot
 from workers.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,8 @@ class WorkerActor:
         self.worker = Worker(config, source, max_model_len, TensorParallel(rank, size), hf_config)
         self.worker.node_id = ray.get_runtime_context().get_node_id()
 
-    def warm(self, hf_config) -> None:
-        """A spare's head start: the imports setup needs (`hf_config` arrives unpickled, which
-        imports its transformers class)."""
+    def warm(self) -> None:
+        """A spare's head start: the imports setup needs."""
         import torch  # noqa: F401
 
         import workers.worker  # noqa: F401
@@ -139,7 +139,9 @@ class RayExecutor(Executor):
         cpus = config.worker_cpus or 1
         bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
         try:
-            config_ref = ray.put(hf_config)  # parsed once by the engine: a GGUF file's takes seconds
+            # Parsed once by the engine (a GGUF file's takes seconds); sent as a snapshot, whose
+            # unpickling imports nothing (a transformers config class imports seconds' worth).
+            config_ref = ray.put(ConfigSnapshot.of(hf_config) if hf_config is not None else None)
             if taken is not None:
                 self.placement_group, self.workers = taken
             else:
@@ -152,7 +154,7 @@ class RayExecutor(Executor):
                      for rank, w in enumerate(self.workers)])
             if not gpu:  # a spare holds no GPU of its own to start on: CPU groups only
                 self._spares = [self._actor(rank, num_cpus=0) for rank in range(size)]
-                self._spares_warm = [spare.warm.remote(config_ref) for spare in self._spares]
+                self._spares_warm = [spare.warm.remote() for spare in self._spares]
         except ray.exceptions.RayActorError as e:  # a new worker died while it started
             self.shutdown()
             raise WorkerFailedError(f"a worker died while the group started: {e}", cause="death") from e

@@ -87,16 +87,15 @@ def _engine_flags(args) -> dict:
 
 
 def run_bench(args, api_key: str | None) -> int:
-    from transformers import AutoTokenizer
-
     from pagedserve.bench.embedded import EmbeddedServer
+    from workers.gguf_cache import load_tokenizer
     from pagedserve.bench.report import format_table, summarize
     from pagedserve.config import resolve_model
 
     try:
         _check(args)
         source = resolve_model(args.model)
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        tokenizer = load_tokenizer(source)
         requests = _workload(args, tokenizer)
     except (ValueError, OSError) as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)

@@ -10,15 +10,16 @@ import torch
 
 from pagedserve.bench.dataset import BenchRequest
 from pagedserve.config import resolve_model
+from workers.gguf_cache import load_tokenizer
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: str = "cpu"):
     """The model as transformers loads it (a GGUF dequantized to dense weights, as pagedserve
     loads it) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     src = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    tokenizer = load_tokenizer(src)
     kwargs = {"gguf_file": src.gguf_file, "quantization_config": GgufConfig(dequantize=True)} if src.gguf_file else {}
     hf = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **kwargs)
     return hf.to(device).eval(), tokenizer

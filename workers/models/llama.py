@@ -63,6 +63,8 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        if not hasattr(config, "to_dict"):  # a ConfigSnapshot: the init functions want the real class
+            config = config.to_transformers()
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
     # On the CPU whatever the default device: built under "meta", torch would route arange
     # through its reference ops, whose first use imports torch._dynamo (seconds).

@@ -1,0 +1,90 @@
+"""Cold start of `pagedserve serve`, measured: seconds from the command to its `serving` line.
+
+The first start runs on an empty cache (a fresh `$PAGEDSERVE_CACHE`): it converts the GGUF
+file's config, tokenizer and weights and caches them (workers/gguf_cache.py). The later starts
+read that cache. Each start is split into its phases, from the lines `serve` prints: Ray up
+("Started a local Ray instance"), bound (gRPC port open, model loading), serving (model loaded,
+engine running). Every start is a new process with its own local Ray, stopped by SIGINT.
+
+    .venv/bin/python benchmarks/cold_start.py                 # 1 uncached + 3 cached starts, ~2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = {"ray_up": "Started a local Ray instance", "bound": "pagedserve: bound ", "serving": "serving "}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cached-starts", type=int, default=3)
+    p.add_argument("--port", type=int, default=50097)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cold_start.json"))
+    return p.parse_args(argv)
+
+
+def one_start(cache: str, port: int) -> dict:
+    """Seconds from the command to each phase's line, then a clean stop."""
+    command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
+               "--http-port", "0", "--metrics-port", "0"]
+    env = {**os.environ, "PAGEDSERVE_CACHE": cache, "TQDM_DISABLE": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tempfile.gettempdir(), env=env)
+    marks: dict[str, float] = {}
+    try:
+        for line in proc.stdout:
+            for phase, prefix in PHASES.items():
+                if phase not in marks and (line.startswith(prefix) or (phase == "ray_up" and prefix in line)):
+                    marks[phase] = round(time.perf_counter() - t0, 2)
+            if "serving" in marks:
+                break
+        else:
+            raise RuntimeError(f"`pagedserve serve` exited ({proc.wait()}) before serving")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    marks["loading_s"] = round(marks["serving"] - marks["bound"], 2)
+    return marks
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-cache-") as cache:
+        starts = [dict(one_start(cache, args.port), cached=False)]
+        print("uncached:", starts[0], flush=True)
+        for _ in range(args.cached_starts):
+            time.sleep(2)  # the previous Ray's processes finish exiting
+            starts.append(dict(one_start(cache, args.port), cached=True))
+            print("cached:  ", starts[-1], flush=True)
+    cached = [s for s in starts if s["cached"]]
+    summary = {key: statistics.median(s[key] for s in cached) for key in ("ray_up", "bound", "serving", "loading_s")}
+    summary["uncached_serving"] = starts[0]["serving"]
+    summary["uncached_loading_s"] = starts[0]["loading_s"]
+    summary["speedup"] = round(starts[0]["serving"] / summary["serving"], 2)
+    summary["loading_speedup"] = round(starts[0]["loading_s"] / summary["loading_s"], 2)
+    print(f"median cached start: serving after {summary['serving']:.2f} s (Ray up {summary['ray_up']:.2f} s, "
+          f"bound {summary['bound']:.2f} s, loading {summary['loading_s']:.2f} s); uncached {starts[0]['serving']:.2f} s "
+          f"(loading {starts[0]['loading_s']:.2f} s): {summary['speedup']}x, loading {summary['loading_speedup']}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                                          "starts": starts, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
