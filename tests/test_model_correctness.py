@@ -111,3 +111,17 @@ def test_same_tokens_with_preemption_prefix_cache_and_chunking_together(tiny_mod
     assert llm.stats()["num_preemptions"] > 0
     _check(hf_model, prompts, ours, expected)
     _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 96, 97, 200])
+def test_the_lm_heads_chunked_product_equals_the_plain_one(rows):
+    """Skinny batches compute the LM head in vocabulary chunks (workers/models/llama.py): every
+    row and column of it, a last chunk shorter than the others included, equals x @ W^T."""
+    from workers.models.llama import LM_HEAD_CHUNK, lm_head
+
+    torch.manual_seed(rows)
+    weight = torch.randn(2 * LM_HEAD_CHUNK + 37, 48)
+    x = torch.randn(rows, 48)
+    out = lm_head(x, weight)
+    assert out.shape == (rows, weight.shape[0]) and out.is_contiguous()
+    torch.testing.assert_close(out, x @ weight.t(), rtol=1e-5, atol=1e-4)

@@ -26,6 +26,10 @@ import torch
 from kernels import reference
 
 _SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+# -ffast-math lets the softmax's expf vectorize (glibc's libmvec) and the dot products reassociate:
+# the kernel measured 20-28% faster (results within 4e-7 of the strict build). Infinities stay
+# meaningful (-fno-finite-math-only): the running maximum starts at -INFINITY.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 log = logging.getLogger(__name__)
@@ -41,7 +45,7 @@ def _build() -> Path | None:
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
-    tag = hashlib.blake2b(source + compiler.encode(), digest_size=8).hexdigest()
+    tag = hashlib.blake2b(source + compiler.encode() + " ".join(_FLAGS).encode(), digest_size=8).hexdigest()
     target = _cache_dir() / f"paged_decode_attention_{tag}.so"
     if target.exists():
         return target
@@ -49,7 +53,7 @@ def _build() -> Path | None:
     # Build to a temporary name, then rename: concurrent first uses never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", tmp, "-lm"]
+    cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("CPU attention kernel did not build (%s); using the torch path", result.stderr[-500:])

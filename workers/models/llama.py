@@ -32,6 +32,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+# The LM head's skinny product is computed this many vocabulary rows at a time: each piece's
+# transposed result is copied into place while it is still in cache, where transposing the whole
+# [vocab, n] product afterwards reads it back from DRAM (SmolLM2, 64 rows: 57 against 70 ms).
+LM_HEAD_CHUNK = 2048
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous."""
+    if x.shape[0] > SKINNY_TOKENS or weight.dtype != x.dtype:
+        return linear(x, weight).contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    xt = x.t()
+    for start in range(0, weight.shape[0], LM_HEAD_CHUNK):
+        piece = torch.mm(weight[start:start + LM_HEAD_CHUNK], xt)
+        out[:, start:start + piece.shape[0]].copy_(piece.t())
+    return out
+
+
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer` applied to x: dense, or int8 rows with their scales once quantized."""
     return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None))
@@ -183,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits `[n, vocab]` on rank 0; None on the other ranks."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.tp.gather_to_first(linear(hidden, weight))
+        logits = self.tp.gather_to_first(lm_head(hidden, weight))
         if logits is None:
             return None
         return logits[:, :self.config.vocab_size].float().contiguous()
