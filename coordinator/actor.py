@@ -274,14 +274,15 @@ class CoordinatorActor:
         def rebuild(index: int):  # a replica whose engine stopped (in a thread)
             engine = _load_llm_engine(configs[index])
             engine.input_processor = shared_input
-            engine.use_handoff_store(handoff)
+            engine.use_handoff_store(router.handoff)  # the current store: a dead one is replaced
             return _started_engine(engine, options.max_queued_requests, loop)
 
         from coordinator.async_engine import AsyncEngine
 
         policy = "prefix" if options.routing_policy == "auto" else options.routing_policy
-        return Router([AsyncEngine(e, options.max_queued_requests) for e in engines], policy,
-                      options.max_queued_requests, rebuild, roles, handoff, options.pd_min_prompt_tokens)
+        router = Router([AsyncEngine(e, options.max_queued_requests) for e in engines], policy,
+                        options.max_queued_requests, rebuild, roles, handoff, options.pd_min_prompt_tokens)
+        return router
 
     async def wait_ready(self) -> dict:
         """Wait until the model is loaded and served; raises the load error if loading failed."""

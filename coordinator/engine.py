@@ -68,6 +68,7 @@ class LLMEngine:
         # those replicas share (coordinator/kv_handoff.py) in place of a store of its own.
         self.role = ""
         self.handoff = None
+        self._offered_handoff = None  # a new shared store for a dead one, taken up by the next step
         model = self.model_info = model.with_tokenizer_eos(tokenizer)
         try:
             _check_model(config, model)
@@ -152,15 +153,35 @@ class LLMEngine:
         self.handoff = handoff
         self.swap_block_bytes = handoff.block_bytes
 
+    def offer_handoff_store(self, handoff) -> None:
+        """From any thread: the store that replaces a dead shared one. The next step attaches it
+        (the workers are called from the stepping thread only)."""
+        self._offered_handoff = handoff
+
+    def _take_offered_handoff_store(self) -> None:
+        offered, self._offered_handoff = self._offered_handoff, None
+        if offered is self.handoff or not offered.alive():
+            return
+        if self.handoff is not None:  # the old one died before this engine's step noticed
+            self._lose_handoff_store()
+        try:
+            self.use_handoff_store(offered)
+        except WorkerFailedError:
+            raise  # the step's recovery rebuilds the group, attached to the router's current store
+        except Exception as e:  # noqa: BLE001 - the replica runs on without a CPU tier, as before
+            log.error("attaching the restarted prefill/decode KV store failed: %s", e)
+        else:
+            log.warning("the prefill/decode KV store was restarted; this replica uses it again")
+
     def _lose_handoff_store(self) -> None:
         """The shared store died: swapped groups recompute and the engine runs without a CPU tier
-        (its owner, the server, decides whether another replaces it)."""
+        until its owner (the router) offers the store that replaces it."""
         with self.scheduler.kv.lock:
             moved = self.scheduler.recompute_swapped()
             self.scheduler.kv.replace_cpu_pool(None)
             self.scheduler.kv.handoff = None
         log.error("the KV store shared by prefill/decode replicas died; %d swapped sequences will recompute, "
-                  "and this replica runs without a CPU tier", moved)
+                  "and this replica runs without a CPU tier until a new store is attached", moved)
         self.handoff = None
 
     def _restart_kv_store(self, why: str = "the KV store died") -> None:
@@ -224,6 +245,8 @@ class LLMEngine:
             self._restart_kv_store()
         if self.handoff is not None and not self.handoff.alive():
             self._lose_handoff_store()
+        if self._offered_handoff is not None:
+            self._take_offered_handoff_store()
         stats = IterationStats()
         try:
             updates = self.core.step(stats)

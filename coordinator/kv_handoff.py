@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.cpu_block_pool import CpuBlockPool
@@ -51,10 +52,15 @@ class HandoffStore:
     """`store`: a StoreHandle sharded by KV head (or None in unit tests: the allocator alone).
     `num_blocks` comes from it; `block_bytes` is a whole block's (every head)."""
 
-    def __init__(self, store, num_blocks: int, block_bytes: int, lease_seconds: float = 60.0):
+    def __init__(self, store, num_blocks: int, block_bytes: int, lease_seconds: float = 60.0,
+                 open_store: Callable[[], object] | None = None):
+        """`open_store()`: a new StoreHandle like `store`, for `restarted()`."""
         if lease_seconds <= 0:
             raise ValueError(f"pd_kv_lease must be > 0 seconds; got {lease_seconds}")
         self.store = store
+        self._open_store = open_store
+        self.restarts = 0  # dead stores this one replaces, counted over the chain
+        self._closed = False
         self.pool = CpuBlockPool(num_blocks)
         self.block_bytes = block_bytes
         self.lease_seconds = lease_seconds
@@ -124,9 +130,21 @@ class HandoffStore:
                     "pd_leases_expired": self.counters.leases_expired}
 
     def alive(self) -> bool:
-        return self.store is None or self.store.alive()
+        return not self._closed and (self.store is None or self.store.alive())
+
+    def restarted(self) -> "HandoffStore":
+        """A new, empty store of the same size and placement for this dead one (whose blocks and
+        leases are lost: their requests recompute). The lifetime counters carry over."""
+        if self._open_store is None:
+            raise RuntimeError("this handoff store was opened without a way to open another")
+        new = HandoffStore(self._open_store(), self.pool.num_blocks, self.block_bytes, self.lease_seconds,
+                           self._open_store)
+        new.counters = self.counters
+        new.restarts = self.restarts + 1
+        return new
 
     def close(self) -> None:
+        self._closed = True
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -219,8 +237,10 @@ def open_handoff_store(engines: list, space_gib: float, lease_seconds: float, no
     if num_blocks < 1:
         raise ValueError(f"swap_space ({space_gib} GiB) holds no KV block ({shard * heads} bytes); the "
                          "prefill/decode store needs room for the prompts in flight")
-    store = StoreHandle(num_blocks, heads, shard, node_id, transport, shard_by="kv_head", shm_node=shm_node)
-    handoff = HandoffStore(store, num_blocks, shard * heads, lease_seconds)
+    def open_store():
+        return StoreHandle(num_blocks, heads, shard, node_id, transport, shard_by="kv_head", shm_node=shm_node)
+
+    handoff = HandoffStore(open_store(), num_blocks, shard * heads, lease_seconds, open_store)
     try:
         for engine in engines:
             engine.use_handoff_store(handoff)

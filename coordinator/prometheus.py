@@ -24,6 +24,7 @@ CLUSTER_COUNTERS = {  # the router's, when there is one
     "pd_handoffs": "Requests whose prompt a prefill replica computed for a decode replica",
     "pd_fallback_recomputes": "Requests routed for prefill/decode whose decode replica computed the whole "
                               "prompt instead (the prefill replica failed, or the lease expired first)",
+    "pd_store_restarts": "Times the KV store shared by prefill and decode replicas died and was replaced",
 }
 
 

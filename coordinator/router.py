@@ -239,7 +239,8 @@ class Router:
         """The router's own lifetime counters (for GetStats and /metrics)."""
         out = {"requests_failed_over": self.failovers}
         if self.handoff is not None:
-            out.update(pd_handoffs=self.pd_handoffs, pd_fallback_recomputes=self.pd_fallbacks)
+            out.update(pd_handoffs=self.pd_handoffs, pd_fallback_recomputes=self.pd_fallbacks,
+                       pd_store_restarts=self.handoff.restarts)
         return out
 
     async def drain(self, timeout: float) -> int:
@@ -381,13 +382,33 @@ class Router:
         return key, full
 
     async def _expire_leases(self) -> None:
-        """Expire handoff leases nobody claimed in time (their requests recompute)."""
+        """Expire handoff leases nobody claimed in time (their requests recompute), and replace
+        the shared store if it died."""
         while True:
             await asyncio.sleep(min(1.0, self.handoff.lease_seconds / 4))
+            if not self.handoff.alive():
+                await self._restart_handoff_store()
+                continue
             expired = self.handoff.expire()
             if expired:
                 log.warning("%d handoff leases expired unclaimed (their decode replicas recompute): %s",
                             len(expired), ", ".join(expired[:5]))
+
+    async def _restart_handoff_store(self) -> None:
+        """A new store in place of the dead one: every replica attaches it at its next step, and
+        routing uses it at once. Meanwhile (and if it cannot start: retried each sweep) requests
+        whose KV was in the dead store recompute on their decode replica."""
+        dead = self.handoff
+        try:
+            new = await asyncio.get_running_loop().run_in_executor(None, dead.restarted)
+        except Exception as e:  # noqa: BLE001 - the cluster serves on, every prompt computed where it decodes
+            log.error("the prefill/decode KV store died and could not be restarted (retrying): %s", e)
+            return
+        self.handoff = new
+        for replica in self.replicas:
+            replica.engine.llm_engine.offer_handoff_store(new)
+        dead.close()
+        log.warning("the prefill/decode KV store died; restarted it (%d restarts)", new.restarts)
 
     async def _decode(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int,
                       expires: float | None, prompt: str | None, timeout: float | None,

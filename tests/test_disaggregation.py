@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import signal
 import time
 import urllib.request
 
@@ -155,3 +157,49 @@ def test_a_prefill_replica_that_dies_mid_transfer_is_never_read_and_the_decode_s
             assert stats["pd_transfer_blocks_loaded"] == 0 and stats["pd_store_blocks_cached"] == 0
             assert stats["replica.1.kv_blocks_used"] == 0 and stats["pd_store_blocks_used"] == 0
             assert client.health()
+
+
+def test_a_shared_store_that_dies_is_replaced_and_prompts_are_handed_over_through_the_new_one(
+        ray_session, tiny_llama, offline):
+    """SIGKILL of the KV store's process: requests still end with the offline tokens (the decode
+    side recomputes what the dead store held), a new store takes its place, both replicas attach
+    it, and the next prompt is handed over through it; every block comes back."""
+    from tests.test_coordinator_restart import _gone, _store_segments, _wait_until
+
+    config = EngineConfig(model=tiny_llama, **ENGINE)
+    prompts = [_prompt(70, 51), _prompt(66, 52), _prompt(75, 53)]
+    expected = offline_greedy(offline, prompts, 10)
+    before = set(_store_segments())
+    with running_coordinator(config, http=False, metrics_port=0, **PD) as (actor, target):
+        with pagedserve.Client(target, timeout=120) as client:
+            def generate(prompt):
+                return list(client.generate(prompt, max_tokens=10, temperature=0.0, ignore_eos=True).token_ids)
+
+            assert generate(prompts[0]) == expected[0]
+            first = _wait_idle(client)
+            assert first["pd_transfer_blocks_loaded"] > 0 and first["pd_store_restarts"] == 0
+            (segment,) = set(_store_segments()) - before
+            store_pid = _store_segments()[segment]
+            os.kill(store_pid, signal.SIGKILL)
+            _wait_until(lambda: _gone(store_pid), 20, "the store's process ends")
+
+            assert generate(prompts[1]) == expected[1]  # served while the store is replaced
+            _wait_until(lambda: client.stats()["pd_store_restarts"] == 1, 30, "a new store")
+            loaded = _wait_idle(client)["pd_transfer_blocks_loaded"]
+            # Both replicas attach the new store at their next step; the first request after
+            # the restart may still find one of them without it (and recompute).
+            for salt in range(60, 64):
+                prompt = _prompt(70, salt)
+                assert generate(prompt) == offline_greedy(offline, [prompt], 10)[0]
+                stats = _wait_idle(client)
+                if stats["pd_transfer_blocks_loaded"] > loaded:
+                    break
+            assert stats["pd_transfer_blocks_loaded"] > loaded, "no prompt went through the new store"
+            assert generate(prompts[2]) == expected[2]
+            stats = _wait_idle(client)
+            _assert_all_free(stats)
+            assert stats["pd_store_restarts"] == 1
+            metrics = urllib.request.urlopen(
+                f"http://127.0.0.1:{ray.get(actor.status.remote())['metrics_port']}/metrics").read().decode()
+            assert re.search(r"^pagedserve_pd_store_restarts_total(\{[^}]*\})? 1\.0$", metrics, re.M)
+    assert segment not in _store_segments()  # the dead store's segment was removed
