@@ -66,8 +66,9 @@ LAYOUTS = {  # (query_lens, cached_lens)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_cpu_backend_gives_the_torch_backends_output(layout, block_size):
+@pytest.mark.parametrize("block_size", [5, 8, 16])  # 5: the kernel's 8-token runs cross blocks
+@pytest.mark.parametrize("head_dim", [16, 12])  # 12: not a multiple of the 8-lane vectors
+def test_cpu_backend_gives_the_torch_backends_output(layout, block_size, head_dim):
     if not cpu.available():
         pytest.skip("no C compiler for the CPU decode kernel")
     query_lens, cached_lens = LAYOUTS[layout]
@@ -76,7 +77,7 @@ def test_cpu_backend_gives_the_torch_backends_output(layout, block_size):
         backend = kernels.get_backend(name, "cpu", torch.float32)
         gen = torch.Generator().manual_seed(block_size)  # the same batch for both
         cache, query, new_k, new_v, meta, _, _ = _random_batch(
-            gen, block_size, query_lens, cached_lens, num_heads=6, num_kv_heads=2, head_dim=16, backend=backend)
+            gen, block_size, query_lens, cached_lens, num_heads=6, num_kv_heads=2, head_dim=head_dim, backend=backend)
         assert meta.backend is backend
         backend.write_kv(new_k, new_v, cache, meta)
         results.append((cache, backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.25)))
