@@ -2,9 +2,10 @@
 
 Each output channel (a row of a `[out, in]` weight) gets its own scale, amax / 127, and its
 weights are rounded to int8 in [-127, 127]: the error of any weight is at most half its row's
-scale. Activations stay in the model dtype; each layer widens its int8 rows for one GEMM and
-scales the output per channel (`workers.models.llama.linear`), so the weights held (and read
-from memory) are a quarter of fp32's. torch's own CPU kernel, `_weight_int8pack_mm`, measured
+scale. Activations stay in the model dtype; steps of up to 32 fp32 tokens run a C kernel that
+reads the int8 rows as they are (kernels/cpu/int8_gemv.c), larger ones widen the rows for one
+GEMM and scale the output per channel (`workers.models.llama.linear`), so the weights held (and
+read from memory) are a quarter of fp32's. torch's own CPU kernel, `_weight_int8pack_mm`, measured
 here 4x slower than the fp32 GEMM at 1 token and ~60x at 256 (a 3072x576 weight: 1.44 vs
 0.33 ms, 522 vs 10 ms), so it is not used. The embeddings and the LM head (tied to them in SmolLM2) stay in the model dtype,
 as in vLLM's and llama.cpp's int8 schemes: they hold most of a small model's sampling accuracy.

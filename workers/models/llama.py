@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import int8_linear
 from workers.parallel import TensorParallel
 
 
@@ -22,9 +23,12 @@ SKINNY_TOKENS = 96
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     if weight.dtype == torch.int8:  # quantization="int8": workers/quantization.py
-        # The rows widened for one GEMM (torch's _weight_int8pack_mm is far slower here), then
-        # each output channel scaled.
-        out = linear(x, weight.to(x.dtype)) * scale
+        # A few rows (decode at small batch): the C kernel reads the int8 rows as they are.
+        # Otherwise the rows widened for one GEMM (torch's _weight_int8pack_mm is far slower
+        # here), then each output channel scaled.
+        out = int8_linear(x, weight, scale)
+        if out is None:
+            out = linear(x, weight.to(x.dtype)) * scale
         return out if bias is None else out + bias
     if x.shape[0] > SKINNY_TOKENS:
         return F.linear(x, weight, bias)
