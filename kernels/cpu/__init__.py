@@ -13,6 +13,7 @@ so both share one OpenMP runtime (same soname).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -31,8 +32,6 @@ _SOURCE = Path(__file__).with_name("paged_decode_attention.c")
 # the kernel measured 20-28% faster (results within 4e-7 of the strict build). Infinities stay
 # meaningful (-fno-finite-math-only): the running maximum starts at -INFINITY.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
-_LIB: ctypes.CDLL | None = None
-_TRIED = False
 log = logging.getLogger(__name__)
 
 
@@ -64,18 +63,23 @@ def _build(source_path: Path = _SOURCE) -> Path | None:
     return target
 
 
+@functools.cache
+def _library(source: Path, symbol: str, argtypes: tuple) -> ctypes.CDLL | None:
+    """`source` built (once per process) and loaded, with `symbol`'s C signature set; None
+    when it cannot be built."""
+    path = _build(source)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = getattr(lib, symbol)
+    fn.restype = None
+    fn.argtypes = list(argtypes)
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
-    global _LIB, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        path = _build()
-        if path is not None:
-            lib = ctypes.CDLL(str(path))
-            fn = lib.paged_decode_attention_f32
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10 + [ctypes.c_float, ctypes.c_int]
-            _LIB = lib
-    return _LIB
+    return _library(_SOURCE, "paged_decode_attention_f32",
+                    (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int))
 
 
 def available() -> bool:
@@ -83,8 +87,6 @@ def available() -> bool:
 
 
 _INT8_SOURCE = Path(__file__).with_name("int8_gemv.c")
-_INT8_LIB: ctypes.CDLL | None = None
-_INT8_TRIED = False
 # Up to this many rows the C kernel wins (it reads the weight once per 8 rows): on SmolLM2's
 # layers 61 against 118 ms at 16 rows, 112 against 150 at 32; at 64 rows widening the weight
 # for one GEMM wins (198 against 214 ms).
@@ -92,16 +94,7 @@ INT8_MAX_ROWS = 32
 
 
 def _load_int8() -> ctypes.CDLL | None:
-    global _INT8_LIB, _INT8_TRIED
-    if not _INT8_TRIED:
-        _INT8_TRIED = True
-        path = _build(_INT8_SOURCE)
-        if path is not None:
-            lib = ctypes.CDLL(str(path))
-            lib.int8_gemv_f32.restype = None
-            lib.int8_gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-            _INT8_LIB = lib
-    return _INT8_LIB
+    return _library(_INT8_SOURCE, "int8_gemv_f32", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
