@@ -158,6 +158,8 @@ def engine_stats(engine) -> dict:
         # What the executor adds per step beyond rank 0's own work (Ray calls, serialization).
         "executor_overhead_us_per_step": (
             1e6 * (metrics.execute_seconds - metrics.worker_seconds) / max(1, s.num_steps)),
+        # Rank 0's own compute over all steps: against wall time, what the model's work took.
+        "worker_compute_seconds": metrics.worker_seconds,
         **metrics.summary(),
     }
 

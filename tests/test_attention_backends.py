@@ -66,8 +66,10 @@ LAYOUTS = {  # (query_lens, cached_lens)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("block_size", [5, 8, 16])  # 5: the kernel's 8-token runs cross blocks
-@pytest.mark.parametrize("head_dim", [16, 12])  # 12: not a multiple of the 8-lane vectors
+@pytest.mark.parametrize("block_size", [5, 8, 16])  # 5: a last block shorter than the others
+# 64 and 128: the kernel's copies with the head size fixed at compile time; 12: not a multiple of
+# the 8-lane vectors
+@pytest.mark.parametrize("head_dim", [16, 12, 64, 128])
 def test_cpu_backend_gives_the_torch_backends_output(layout, block_size, head_dim):
     if not cpu.available():
         pytest.skip("no C compiler for the CPU decode kernel")

@@ -43,6 +43,10 @@ def _run(model: str, **engine_args) -> tuple[list[list[int]], dict, list[int]]:
         # Dispatch overhead is measured apart from rank 0's compute: positive, and a part of the step.
         execute_seconds = llm.engine.metrics.execute_seconds
         assert 0 < stats["executor_overhead_us_per_step"] < 1e6 * execute_seconds / stats["num_steps"]
+        # ... and rank 0's compute is the rest of the executor's time.
+        assert 0 < stats["worker_compute_seconds"] < execute_seconds
+        assert stats["worker_compute_seconds"] == pytest.approx(
+            execute_seconds - 1e-6 * stats["executor_overhead_us_per_step"] * stats["num_steps"])
         pids = llm.engine.executor.worker_pids()
     return tokens, stats, pids
 

@@ -28,10 +28,12 @@ import torch
 from kernels import reference
 
 _SOURCE = Path(__file__).with_name("paged_decode_attention.c")
-# -ffast-math lets the softmax's expf vectorize (glibc's libmvec) and the dot products reassociate:
-# the kernel measured 20-28% faster (results within 4e-7 of the strict build). Infinities stay
-# meaningful (-fno-finite-math-only): the running maximum starts at -INFINITY.
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC")
+# -ffast-math lets the dot products reassociate, and the softmax's expf vectorize: glibc declares
+# its vector expf (libmvec) only under finite math, so the kernels assume no infinities (the
+# running maximum starts at the first score). With the kernel's division-free loops, 30 layers
+# of 64 decodes of ~300 tokens measured 111-130 -> 87-97 ms (the previous build called scalar
+# expf; glibc's headers hid the vector one from it).
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
 log = logging.getLogger(__name__)
 
 

@@ -1,8 +1,13 @@
 /* Decode attention straight from the paged KV cache: one pass over each sequence's K and V,
- * no gather copy. One work item per sequence (spread over OpenMP threads) walks its blocks
- * token row by token row, all heads at once: a block's K (then V) is one contiguous run, read
- * sequentially. (Splitting work by KV head instead read each row in thirds and measured
- * slower: the prefetcher then fetches the other heads' lines for nothing.)
+ * no gather copy. One work item per sequence (spread over OpenMP threads) walks its blocks;
+ * a block's K (then V) is one contiguous run, read sequentially, and while it sits in L1 every
+ * query head of every KV head uses it. (Splitting work by KV head instead read each row in
+ * thirds and measured slower: the prefetcher then fetches the other heads' lines for nothing.)
+ *
+ * The loops walk blocks, then tokens, then KV heads, then the query heads sharing one: no
+ * division in them (an int64 divide per token and head cost more than the arithmetic). Head
+ * sizes 64 and 128 get their own copy with the size fixed at compile time, so that a K row and
+ * the output accumulators stay in vector registers; other sizes run the same loops generically.
  *
  * Layouts (fp32):
  *   query, out   [S, H, D] contiguous
@@ -14,51 +19,108 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int64_t num_heads, num_kv_heads, block_size, s_block, s_kv, s_tok, s_head;
+    float scale;
+} Shape;
+
+/* scores[h * len + t] = scale * q_h . k_t for every head h and token t < len. */
+INLINE void scores_of(float *scores, const float *q, const float *kv, const int32_t *table,
+                      int64_t len, const Shape *sh, const int64_t D) {
+    const int64_t rep = sh->num_heads / sh->num_kv_heads;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
+        const float *block = kv + (int64_t)table[b] * sh->s_block;
+        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            const float *k_row = block + i * sh->s_tok;
+            for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
+                const float *k = k_row + g * sh->s_head;
+                for (int64_t r = 0; r < rep; ++r, ++h) {
+                    const float *qh = q + h * D;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t d = 0; d < D; ++d) acc += qh[d] * k[d];
+                    scores[h * len + t0 + i] = acc * sh->scale;
+                }
+            }
+        }
+    }
+}
+
+/* o_h = sum_t p[h * len + t] v_t, a block at a time: one head's accumulator stays in registers
+ * over the block's tokens (their V rows for that KV head are in L1 after the first head). */
+INLINE void weighted_values(float *o, const float *p, const float *kv, const int32_t *table,
+                            int64_t len, const Shape *sh, const int64_t D) {
+    const int64_t rep = sh->num_heads / sh->num_kv_heads;
+    for (int64_t d = 0; d < sh->num_heads * D; ++d) o[d] = 0.f;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
+        const float *block = kv + (int64_t)table[b] * sh->s_block + sh->s_kv;
+        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+        for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
+            for (int64_t r = 0; r < rep; ++r, ++h) {
+                float acc[D];
+                const float *ph = p + h * len + t0;
+                for (int64_t d = 0; d < D; ++d) acc[d] = o[h * D + d];
+                for (int64_t i = 0; i < n; ++i) {
+                    const float *v = block + i * sh->s_tok + g * sh->s_head;
+                    const float w = ph[i];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+                }
+                for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[d];
+            }
+        }
+    }
+}
+
+INLINE void softmax_rows(float *scores, int64_t rows, int64_t len) {
+    for (int64_t h = 0; h < rows; ++h) {
+        float *s = scores + h * len;
+        float mx = s[0]; /* not -INFINITY: the build assumes finite math (see kernels/cpu) */
+        for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    }
+}
+
+INLINE void attend(float *o, const float *q, const float *kv, const int32_t *table, int64_t len,
+                   float *scores, const Shape *sh, const int64_t D) {
+    scores_of(scores, q, kv, table, len, sh, D);
+    softmax_rows(scores, sh->num_heads, len);
+    weighted_values(o, scores, kv, table, len, sh, D);
+}
+
+static void attend_d64(float *o, const float *q, const float *kv, const int32_t *table, int64_t len,
+                       float *scores, const Shape *sh) { attend(o, q, kv, table, len, scores, sh, 64); }
+static void attend_d128(float *o, const float *q, const float *kv, const int32_t *table, int64_t len,
+                        float *scores, const Shape *sh) { attend(o, q, kv, table, len, scores, sh, 128); }
+static void attend_any(float *o, const float *q, const float *kv, const int32_t *table, int64_t len,
+                       float *scores, const Shape *sh, int64_t D) { attend(o, q, kv, table, len, scores, sh, D); }
+
 void paged_decode_attention_f32(float *out, const float *query, const float *kv,
                                 const int32_t *block_tables, const int32_t *context_lens,
                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                 int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head,
                                 float scale, int num_threads) {
-    const int64_t rep = num_heads / num_kv_heads;
+    const Shape sh = {num_heads, num_kv_heads, block_size, s_block, s_kv, s_tok, s_head, scale};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = context_lens[s];
         const int32_t *table = block_tables + s * max_blocks;
         const float *q = query + s * num_heads * head_dim;
         float *o = out + s * num_heads * head_dim;
-        float *scores = (float *)malloc(sizeof(float) * num_heads * len);  /* [H, len] */
-        for (int64_t t = 0; t < len; ++t) {
-            const float *k_row = kv + table[t / block_size] * s_block + (t % block_size) * s_tok;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float *k = k_row + (h / rep) * s_head;
-                const float *qh = q + h * head_dim;
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
-                scores[h * len + t] = acc * scale;
-            }
-        }
-        for (int64_t h = 0; h < num_heads; ++h) {
-            float *sh = scores + h * len;
-            float mx = -INFINITY;
-            for (int64_t t = 0; t < len; ++t) mx = sh[t] > mx ? sh[t] : mx;
-            float sum = 0.f;
-            for (int64_t t = 0; t < len; ++t) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
-            const float inv = 1.f / sum;
-            for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
-            for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = 0.f;
-        }
-        for (int64_t t = 0; t < len; ++t) {
-            const float *v_row = kv + table[t / block_size] * s_block + s_kv + (t % block_size) * s_tok;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float p = scores[h * len + t];
-                const float *v = v_row + (h / rep) * s_head;
-                float *oh = o + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * v[d];
-            }
-        }
+        float *scores = (float *)malloc(sizeof(float) * num_heads * len); /* [H, len] */
+        if (head_dim == 64)
+            attend_d64(o, q, kv, table, len, scores, &sh);
+        else if (head_dim == 128)
+            attend_d128(o, q, kv, table, len, scores, &sh);
+        else
+            attend_any(o, q, kv, table, len, scores, &sh, head_dim);
         free(scores);
     }
 }
