@@ -50,8 +50,7 @@ class EngineCore:
         stats.worker_seconds = output.worker_seconds
         stats.swap_seconds = output.swap_seconds
         if out.publish or (out.load and scheduler.kv.handoff is not None):
-            stats.pd_transfers.append((len(out.publish), output.publish_seconds, len(out.load),
-                                       output.swap_seconds - output.publish_seconds))
+            stats.pd_transfers.append((len(out.publish), output.publish_seconds, len(out.load), output.load_seconds))
         with lock:
             scheduler.kv.end_step()
             updates = scheduler.update_from_output(out, output, stats)

@@ -71,7 +71,7 @@ class IterationStats:
     recovery_seconds: list[float] = field(default_factory=list)  # fault detected to workers back
     kv_checksum_failures: int = 0  # CPU blocks read back with a bad checksum (their holders recompute)
     # Prefill/decode handoffs through the shared store: (blocks published, their seconds, blocks
-    # loaded, their seconds) of a step that moved any (a load's seconds are the step's swap time).
+    # loaded, their seconds) of a step that moved any.
     pd_transfers: list[tuple[int, float, int, float]] = field(default_factory=list)
     # Speculative decoding: drafts verified, how many were accepted, and in how many sequence-steps.
     spec_draft_tokens: int = 0

@@ -242,6 +242,15 @@ def test_a_decode_side_that_loads_over_steps_and_computes_its_tail_a_token_a_ste
                                                 max_loaded_blocks_per_step=2))
     prefill.role, decode.role = "prefill", "decode"
     handoff = open_handoff_store([prefill, decode], space_gib=1 / 64, lease_seconds=60.0)
+    steps = []  # (blocks loaded, the load's seconds, the step's transfer seconds) of each decode step
+    execute = decode.executor.execute
+
+    def recording(plan):
+        output = execute(plan)
+        steps.append((len(plan.load), output.load_seconds, output.swap_seconds))
+        return output
+
+    decode.executor.execute = recording
     try:
         for i, (length, params) in enumerate([
                 (90, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
@@ -252,6 +261,13 @@ def test_a_decode_side_that_loads_over_steps_and_computes_its_tail_a_token_a_ste
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
             assert leased == (length - 1) // BLOCK
             assert got.metrics.num_cached_tokens == leased * BLOCK  # loaded, over several steps
+        # Each load is timed on its own: no seconds without blocks, within the step's transfers.
+        loads = [(n, load, swap) for n, load, swap in steps if n]
+        assert [n for n, _, _ in loads] == [2, 2, 1, 2, 2]  # 90 tokens: 5 blocks, 70: 4; 2 a step
+        assert all(0 < load <= swap for _, load, swap in loads)
+        assert all(load == 0 for n, load, _ in steps if not n)
+        assert decode.metrics.pd_seconds["load"].count == len(loads)
+        assert decode.metrics.pd_seconds["load"].sum == pytest.approx(sum(load for _, load, _ in loads))
         for engine in (prefill, decode):
             assert engine.scheduler.kv.pool.num_used == 0
         assert handoff.pool.num_used == 0 and not handoff.leases

@@ -109,6 +109,7 @@ class StepOutput:
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch
     swap_seconds: float = 0.0  # of which its swap and CPU-tier transfers took
     publish_seconds: float = 0.0  # of which its `publish` writes took
+    load_seconds: float = 0.0  # of which its `load` reads took (a GPU's: with the step's wait for copies)
     # CPU blocks of swap_in / load whose shard failed its checksum on any rank (executors merge
     # the ranks'): the device blocks they were copied to hold bad data.
     corrupt_cpu_blocks: list[int] = field(default_factory=list)

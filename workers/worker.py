@@ -140,9 +140,10 @@ class Worker:
         if self._crash_token is not None:  # armed by tests only: see workers/fault_hook.py
             fault_hook.crash_if_present(plan.input_ids, self._crash_token)
         transfers = bool(plan.swap_out or plan.swap_in or plan.load or plan.publish)
-        transfer_seconds, corrupt = self._transfer(plan)
+        transfer_seconds, load_seconds, corrupt = self._transfer(plan)
         output = self._execute(plan)
         output.corrupt_cpu_blocks = corrupt
+        output.load_seconds = load_seconds
         if plan.publish:  # prompt blocks the forward pass just completed, for a decode replica
             published = time.perf_counter()
             if self._crash_in_publish:  # armed by tests only: dies with half the blocks written
@@ -154,17 +155,20 @@ class Worker:
         if transfers:  # a GPU's copies ran beside the forward pass: wait for them
             waited = time.perf_counter()
             self.swap_space.finish()
-            transfer_seconds += time.perf_counter() - waited
+            waited = time.perf_counter() - waited
+            transfer_seconds += waited
+            if plan.load:  # the copies are not told apart on a GPU: the wait counts for the loads
+                output.load_seconds += waited
         output.worker_seconds = time.perf_counter() - start
         output.swap_seconds = transfer_seconds if transfers else 0.0
         return output
 
-    def _transfer(self, plan: StepPlan) -> tuple[float, list[int]]:
+    def _transfer(self, plan: StepPlan) -> tuple[float, float, list[int]]:
         """The step's swaps and CPU-tier transfers, in the order the scheduler relies on: swap-outs
         first (a block they read may be a copy's or a swap-in's destination in the same step: a
         block freed by a swap-out, or a cached block evicted and saved), then the copy-on-write
-        copies, then swap-ins; then the forward pass may run. Returns the seconds they took and
-        the CPU blocks read back whose checksum failed.
+        copies, then swap-ins; then the forward pass may run. Returns the seconds they took, the
+        seconds of which the loads took, and the CPU blocks read back whose checksum failed.
 
         A failed swap-in is harmless here: its sequences run from the next step on, and the
         coordinator recomputes them first. A failed load is read by this very forward pass; the
@@ -177,9 +181,12 @@ class Worker:
         copy_blocks(self.kv_cache, plan.copy)
         if plan.swap_in:
             corrupt += self.swap_space.swap_in(plan.swap_in)
+        load_seconds = 0.0
         if plan.load:
+            loading = time.perf_counter()
             corrupt += self.swap_space.swap_in(plan.load, release=False)
-        return time.perf_counter() - start, corrupt
+            load_seconds = time.perf_counter() - loading
+        return time.perf_counter() - start, load_seconds, corrupt
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepOutput:
