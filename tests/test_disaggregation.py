@@ -2,7 +2,8 @@
 a decode replica (each its own worker actor) sharing one KV store, in the test session's Ray,
 clients over gRPC. Streams equal the offline API's tokens; a decode replica without room waits
 with the prompt's KV leased in the store; an expired lease, a prefill replica that dies
-mid-transfer ends with the right tokens and every block back: on both replicas and in the store.
+mid-transfer, a worker held by SIGSTOP on either side and a store that dies end with the right
+tokens and every block back: on both replicas and in the store.
 (Leases that expire and aborts during the handoff are pinned down step by step in
 tests/test_kv_handoff.py.)"""
 
@@ -203,3 +204,36 @@ def test_a_shared_store_that_dies_is_replaced_and_prompts_are_handed_over_throug
                 f"http://127.0.0.1:{ray.get(actor.status.remote())['metrics_port']}/metrics").read().decode()
             assert re.search(r"^pagedserve_pd_store_restarts_total(\{[^}]*\})? 1\.0$", metrics, re.M)
     assert segment not in _store_segments()  # the dead store's segment was removed
+
+
+@pytest.mark.parametrize("side, replica", [("prefill", 0), ("decode", 1)])
+def test_a_hung_worker_on_either_side_is_replaced_and_requests_end_with_the_offline_tokens(
+        ray_session, tiny_llama, offline, side, replica):
+    """SIGSTOP of one side's worker process: that replica's step timeout catches the hang, a warm
+    spare takes over, and requests sent meanwhile end with the offline tokens; every block on both
+    replicas and in the store comes back."""
+    import psutil
+
+    config = EngineConfig(model=tiny_llama, step_timeout=3.0, **ENGINE)
+    prompts = [_prompt(70, 71 + replica), _prompt(40, 73 + replica)]
+    expected = offline_greedy(offline, prompts, 10)
+    stopped = []
+    with running_coordinator(config, http=False, **PD) as (actor, target):
+        try:
+            with pagedserve.Client(target, timeout=120) as client:
+                (pid,) = ray.get(actor.worker_pids.remote(replica))
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+                got = [list(client.generate(p, max_tokens=10, temperature=0.0, ignore_eos=True).token_ids)
+                       for p in prompts]
+                assert got == expected
+                stats = _wait_idle(client)
+                assert stats["worker_restarts_hang"] == 1 and stats[f"replica.{replica}.worker_restarts"] == 1
+                assert stats[f"replica.{1 - replica}.worker_restarts"] == 0
+                assert ray.get(actor.worker_pids.remote(replica)) != [pid]
+                _assert_all_free(stats)
+                assert client.health()
+        finally:
+            for pid in stopped:  # never leave a stopped process behind, whatever happened
+                if psutil.pid_exists(pid):
+                    os.kill(pid, signal.SIGKILL)
