@@ -3,7 +3,7 @@
 Each output channel (a row of a `[out, in]` weight) gets its own scale, amax / 127, and its
 weights are rounded to int8 in [-127, 127]: the error of any weight is at most half its row's
 scale. Activations stay in the model dtype; steps of up to 32 fp32 tokens run a C kernel that
-reads the int8 rows as they are (kernels/cpu/int8_gemv.c), larger ones widen the rows for one
+reads the int8 rows as they are (kernels/cpu/weight_gemv.c), larger ones widen the rows for one
 GEMM and scale the output per channel (`workers.models.llama.linear`), so the weights held (and
 read from memory) are a quarter of fp32's. torch's own CPU kernel, `_weight_int8pack_mm`, measured
 here 4x slower than the fp32 GEMM at 1 token and ~60x at 256 (a 3072x576 weight: 1.44 vs

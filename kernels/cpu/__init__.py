@@ -1,6 +1,7 @@
 """The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
-system C compiler; prefills run on the torch reference. Also the int8 weight-only linear layer
-for a few rows (`int8_linear`, kernels/cpu/int8_gemv.c), built the same way.
+system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
+linear layers for a few fp32 rows (`int8_linear`, `bf16_linear`, kernels/cpu/weight_gemv.c),
+built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
@@ -88,30 +89,50 @@ def available() -> bool:
     return load() is not None
 
 
-_INT8_SOURCE = Path(__file__).with_name("int8_gemv.c")
-# Up to this many rows the C kernel wins (it reads the weight once per 8 rows): on SmolLM2's
+_GEMV_SOURCE = Path(__file__).with_name("weight_gemv.c")
+# Up to this many rows the C kernels win (they read the weight once per 8 rows): int8 on SmolLM2's
 # layers 61 against 118 ms at 16 rows, 112 against 150 at 32; at 64 rows widening the weight
 # for one GEMM wins (198 against 214 ms).
 INT8_MAX_ROWS = 32
 
 
-def _load_int8() -> ctypes.CDLL | None:
-    return _library(_INT8_SOURCE, "int8_gemv_f32", (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
+def _load_gemv(symbol: str) -> ctypes.CDLL | None:
+    scale = (ctypes.c_void_p,) if symbol == "int8_gemv_f32" else ()
+    return _library(_GEMV_SOURCE, symbol, (ctypes.c_void_p,) * 3 + scale + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
+
+
+def _few_fp32_rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.shape[0] <= INT8_MAX_ROWS and x.device.type == "cpu"
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x @ (weight * scale[:, None])^T for fp32 `x` [rows, in] with rows <= INT8_MAX_ROWS, int8
     `weight` [out, in] and fp32 `scale` [out]; None where the kernel does not apply (or did not
     build): the caller widens the weight instead."""
-    if (x.dtype != torch.float32 or scale.dtype != torch.float32 or x.shape[0] > INT8_MAX_ROWS
-            or x.device.type != "cpu"):
+    if not _few_fp32_rows(x) or scale.dtype != torch.float32:
         return None
-    lib = _load_int8()
+    lib = _load_gemv("int8_gemv_f32")
     if lib is None:
         return None
     x, weight, scale = x.contiguous(), weight.contiguous(), scale.contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     lib.int8_gemv_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                      x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T in fp32 for fp32 `x` [rows, in] with rows <= INT8_MAX_ROWS and a bf16 `weight`
+    [out, in] (each weight widened exactly, products summed in fp32); None where the kernel does
+    not apply (or did not build)."""
+    if not _few_fp32_rows(x) or weight.dtype != torch.bfloat16:
+        return None
+    lib = _load_gemv("bf16_gemv_f32")
+    if lib is None:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    lib.bf16_gemv_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
     return out
 
