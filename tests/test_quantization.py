@@ -57,7 +57,7 @@ def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kin
     assert got is not None and got.shape == (rows, 200) and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ widened.t(), rtol=1e-5, atol=1e-4)
     # Where it does not apply, it says so and the caller widens the weight.
-    assert kernel(torch.randn(cpu.INT8_MAX_ROWS + 1, width)) is None
+    assert kernel(torch.randn(cpu.GEMV_MAX_ROWS + 1, width)) is None
     assert kernel(x.to(torch.bfloat16)) is None
 
 

@@ -90,10 +90,10 @@ def available() -> bool:
 
 
 _GEMV_SOURCE = Path(__file__).with_name("weight_gemv.c")
-# Up to this many rows the C kernels win (they read the weight once per 8 rows): int8 on SmolLM2's
-# layers 61 against 118 ms at 16 rows, 112 against 150 at 32; at 64 rows widening the weight
-# for one GEMM wins (198 against 214 ms).
-INT8_MAX_ROWS = 32
+# Up to this many rows the C kernels win (they read the weight once per 8 rows), on SmolLM2's
+# layers: int8 61 against 118 ms for widening at 16 rows, 112 against 150 at 32, and at 64 rows
+# widening the weight for one GEMM wins (198 against 214 ms); bf16 123 against 230 ms at 32.
+GEMV_MAX_ROWS = 32
 
 
 def _load_gemv(symbol: str) -> ctypes.CDLL | None:
@@ -102,11 +102,11 @@ def _load_gemv(symbol: str) -> ctypes.CDLL | None:
 
 
 def _few_fp32_rows(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.shape[0] <= INT8_MAX_ROWS and x.device.type == "cpu"
+    return x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu"
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """x @ (weight * scale[:, None])^T for fp32 `x` [rows, in] with rows <= INT8_MAX_ROWS, int8
+    """x @ (weight * scale[:, None])^T for fp32 `x` [rows, in] with rows <= GEMV_MAX_ROWS, int8
     `weight` [out, in] and fp32 `scale` [out]; None where the kernel does not apply (or did not
     build): the caller widens the weight instead."""
     if not _few_fp32_rows(x) or scale.dtype != torch.float32:
@@ -122,7 +122,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x @ weight^T in fp32 for fp32 `x` [rows, in] with rows <= INT8_MAX_ROWS and a bf16 `weight`
+    """x @ weight^T in fp32 for fp32 `x` [rows, in] with rows <= GEMV_MAX_ROWS and a bf16 `weight`
     [out, in] (each weight widened exactly, products summed in fp32); None where the kernel does
     not apply (or did not build)."""
     if not _few_fp32_rows(x) or weight.dtype != torch.bfloat16:
