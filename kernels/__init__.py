@@ -37,7 +37,7 @@ class AttentionBackend(Protocol):
 
 
 def get_backend(name: str, device: str, dtype: torch.dtype) -> AttentionBackend:
-    """`auto`: triton on a GPU; on a CPU in fp32 the C decode kernel when it builds; else torch."""
+    """`auto`: triton on a GPU; on a CPU in fp32 or bf16 the C decode kernel when it builds; else torch."""
     from kernels import cpu
 
     if name not in BACKENDS:
@@ -53,7 +53,8 @@ def get_backend(name: str, device: str, dtype: torch.dtype) -> AttentionBackend:
         return TritonBackend(device)
     if name == "cpu":
         if not cpu.usable(device, dtype):
-            raise ValueError("attention_backend 'cpu' needs device cpu, dtype float32 and a C compiler (cc)")
+            raise ValueError("attention_backend 'cpu' needs device cpu, dtype float32 or bfloat16 and a C "
+                             "compiler (cc)")
         return cpu.CpuBackend()
     from kernels.reference import TorchBackend
 

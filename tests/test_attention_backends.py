@@ -15,9 +15,9 @@ from kernels import cpu
 from tests.test_paged_attention import _random_batch
 
 
-def test_auto_takes_the_c_kernel_on_a_cpu_in_fp32_and_torch_otherwise():
-    assert kernels.get_backend("auto", "cpu", torch.float32).name == ("cpu" if cpu.available() else "torch")
-    assert kernels.get_backend("auto", "cpu", torch.bfloat16).name == "torch"
+def test_auto_takes_the_c_kernel_on_a_cpu_in_fp32_or_bf16_and_torch_otherwise():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kernels.get_backend("auto", "cpu", dtype).name == ("cpu" if cpu.available() else "torch")
     assert kernels.get_backend("auto", "cpu", torch.float16).name == "torch"
 
 
@@ -35,8 +35,8 @@ def test_torch_is_always_torch(device, dtype):
 def test_unknown_names_and_unusable_combinations_raise_naming_attention_backend(monkeypatch):
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu, triton; got 'cuda'"):
         kernels.get_backend("cuda", "cuda", torch.bfloat16)
-    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
-        with pytest.raises(ValueError, match="attention_backend 'cpu' needs device cpu, dtype float32 and a C"):
+    for device, dtype in (("cpu", torch.float16), ("cuda", torch.float32)):
+        with pytest.raises(ValueError, match="attention_backend 'cpu' needs device cpu, dtype float32 or bfloat16"):
             kernels.get_backend("cpu", device, dtype)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton' needs device cuda"):
@@ -86,3 +86,28 @@ def test_cpu_backend_gives_the_torch_backends_output(layout, block_size, head_di
     (torch_cache, want), (cpu_cache, got) = results
     assert torch.equal(cpu_cache, torch_cache)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_cpu_backend_on_a_bf16_cache_gives_the_fp32_result_of_the_same_values(layout, head_dim):
+    """A bf16 cache: the C kernel widens K/V exactly and sums in fp32, so its decode rows match
+    the torch backend run in fp32 on the very same (bf16-representable) values, to bf16's output
+    rounding; prefills run torch's bf16 path, a little further off."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU decode kernel")
+    query_lens, cached_lens = LAYOUTS[layout]
+    results = []
+    for name, dtype in (("torch", torch.float32), ("cpu", torch.bfloat16)):
+        backend = kernels.get_backend(name, "cpu", dtype)
+        gen = torch.Generator().manual_seed(head_dim)  # the same batch for both
+        cache, query, new_k, new_v, meta, _, _ = _random_batch(
+            gen, 16, query_lens, cached_lens, num_heads=6, num_kv_heads=2, head_dim=head_dim, backend=backend)
+        # Values bf16 holds exactly, in the dtype of each run.
+        cache, query, new_k, new_v = (t.to(torch.bfloat16).to(dtype) for t in (cache, query, new_k, new_v))
+        backend.write_kv(new_k, new_v, cache, meta)
+        results.append((cache, backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.25)))
+    (fp32_cache, want), (bf16_cache, got) = results
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(bf16_cache.float(), fp32_cache)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -6,8 +6,8 @@ built the same way.
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
 2.3-2.6 ms against 4.5-5.0 ms per layer for 48 SmolLM2 decodes of 40-800 tokens (2 cores).
-fp32 only. When no compiler is found, or the build fails, `available()` is False and `auto`
-takes the torch backend. The torch library's own libgomp is already loaded when this one loads,
+fp32 or bf16 caches (queries and sums in fp32). When no compiler is found, or the build fails,
+`available()` is False and `auto` takes the torch backend. The torch library's own libgomp is already loaded when this one loads,
 so both share one OpenMP runtime (same soname).
 """
 
@@ -82,7 +82,7 @@ def _library(source: Path, symbol: str, argtypes: tuple) -> ctypes.CDLL | None:
 
 def load() -> ctypes.CDLL | None:
     return _library(_SOURCE, "paged_decode_attention_f32",
-                    (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int))
+                    (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int, ctypes.c_int))
 
 
 def available() -> bool:
@@ -140,20 +140,25 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
     """out, query: [S, H, D] contiguous fp32; kv_cache: one layer's [blocks, 2, bs, kv_heads, D]
-    view with contiguous head_dim; block_tables [S, max_blocks] int32; context_lens [S] int32."""
+    view with contiguous head_dim, fp32 or bf16 (read widened, summed in fp32); block_tables
+    [S, max_blocks] int32; context_lens [S] int32."""
     lib = load()
     s_block, s_kv, s_tok, s_head, s_d = kv_cache.stride()
     assert s_d == 1 and query.is_contiguous() and out.is_contiguous()
+    assert query.dtype == out.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES
     num_seqs, num_heads, head_dim = query.shape
     lib.paged_decode_attention_f32(
         out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2], block_tables.shape[1],
-        s_block, s_kv, s_tok, s_head, scale, torch.get_num_threads())
+        s_block, s_kv, s_tok, s_head, scale, torch.get_num_threads(), int(kv_cache.dtype == torch.bfloat16))
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(device: str, dtype: torch.dtype) -> bool:
-    """Checks the device and dtype before building: only a CPU fp32 run compiles the kernel."""
-    return str(device) == "cpu" and dtype == torch.float32 and available()
+    """Checks the device and dtype before building: only a CPU fp32 or bf16 run compiles the kernel."""
+    return str(device) == "cpu" and dtype in KV_DTYPES and available()
 
 
 @dataclass(slots=True)
@@ -209,8 +214,9 @@ class CpuBackend:
     def paged_attention(self, query, key, value, kv_cache, meta: CpuMetadata, scale: float) -> torch.Tensor:
         out = self._torch.paged_attention(query, key, value, kv_cache, meta.prefills, scale)
         if meta.decode_rows.numel():
-            o = torch.empty(meta.decode_rows.shape[0], query.shape[1], query.shape[2], dtype=query.dtype)
-            decode_attention(o, query[meta.decode_rows].contiguous(), kv_cache, meta.decode_block_tables,
+            # fp32 queries and results whatever the cache holds: the kernel sums in fp32.
+            o = torch.empty(meta.decode_rows.shape[0], query.shape[1], query.shape[2], dtype=torch.float32)
+            decode_attention(o, query[meta.decode_rows].float().contiguous(), kv_cache, meta.decode_block_tables,
                              meta.decode_context_lens, scale)
-            out[meta.decode_rows] = o
+            out[meta.decode_rows] = o.to(out.dtype)
         return out
