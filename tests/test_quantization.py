@@ -37,7 +37,7 @@ def test_the_int8_linear_equals_a_matmul_with_the_dequantized_weight(dtype, toke
     assert torch.allclose(got, expected, atol=tolerance, rtol=tolerance if dtype == torch.float32 else 0.02)
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])  # the bf16 kernel: tests/test_bf16.py
+@pytest.mark.parametrize("kind", ["int8", "bf16"])  # bf16 layers and engine: tests/test_bf16.py
 @pytest.mark.parametrize("rows", [1, 3, 13, 32])  # blocks of 8, 4, 2 and 1 rows
 @pytest.mark.parametrize("width", [64, 61])  # 61: a row's tail beyond the kernel's 8-wide pieces
 def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kind, rows, width):
@@ -50,9 +50,11 @@ def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kin
     if kind == "int8":
         q, scale = quantize_int8(torch.randn(200, width))
         kernel, widened = (lambda x: cpu.int8_linear(x, q, scale)), q.float() * scale[:, None]
+        assert cpu.int8_linear(x, q, scale.to(torch.bfloat16)) is None  # fp32 scales only
     else:
         w = torch.randn(200, width).to(torch.bfloat16)
         kernel, widened = (lambda x: cpu.bf16_linear(x, w)), w.float()
+        assert cpu.bf16_linear(x, w.float()) is None  # bf16 weights only
     got = kernel(x)
     assert got is not None and got.shape == (rows, 200) and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ widened.t(), rtol=1e-5, atol=1e-4)

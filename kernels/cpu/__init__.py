@@ -7,8 +7,8 @@ Why: decode attention is memory-bound, and the torch path reads each sequence's 
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
 2.3-2.6 ms against 4.5-5.0 ms per layer for 48 SmolLM2 decodes of 40-800 tokens (2 cores).
 fp32 or bf16 caches (queries and sums in fp32). When no compiler is found, or the build fails,
-`available()` is False and `auto` takes the torch backend. The torch library's own libgomp is already loaded when this one loads,
-so both share one OpenMP runtime (same soname).
+`available()` is False and `auto` takes the torch backend. The torch library's own libgomp is
+already loaded when this one loads, so both share one OpenMP runtime (same soname).
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the decode kernel's cache may hold
+
+
 def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
     """out, query: [S, H, D] contiguous fp32; kv_cache: one layer's [blocks, 2, bs, kv_heads, D]
@@ -151,9 +154,6 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Ten
         out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         num_seqs, num_heads, kv_cache.shape[3], head_dim, kv_cache.shape[2], block_tables.shape[1],
         s_block, s_kv, s_tok, s_head, scale, torch.get_num_threads(), int(kv_cache.dtype == torch.bfloat16))
-
-
-KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(device: str, dtype: torch.dtype) -> bool:

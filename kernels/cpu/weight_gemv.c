@@ -16,8 +16,6 @@
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8b __attribute__((vector_size(8)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-
-
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
