@@ -102,10 +102,12 @@ print(json.dumps({"default": tries[False], "ifname": tries[True]}))
 
 def _driver(cluster: NamespaceCluster, script: str, *args: str, timeout: float = 180):
     """Run `script` as a Ray driver in node 0's namespace (argv: the head's address, `args`); its
-    last stdout line, as JSON."""
+    last JSON line on stdout. (Ray may print after it: a lost node's explanation, for one.)"""
     result = cluster.run(0, [sys.executable, "-c", script, cluster.head_address, *args], timeout=timeout)
     assert result.returncode == 0, f"driver failed ({result.returncode}):\n{result.stderr[-6000:]}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    reports = [line for line in result.stdout.splitlines() if line.startswith(("{", "["))]
+    assert reports, f"the driver printed no JSON:\n{result.stdout[-6000:]}"
+    return json.loads(reports[-1])
 
 
 def test_tasks_run_on_both_nodes_and_the_root_namespace_reaches_the_head():
