@@ -12,20 +12,22 @@ from workers.step_plan import PromptLogprobsRequest, SeqSampling, StepPlan
 
 
 def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | None = None,
-                 sample_index: int | None = None) -> SeqSampling:
+                 sample_index: int | None = None, ahead: list[int] = ()) -> SeqSampling:
     """How the worker picks `seq`'s next token. Sample j of a request draws with `seed + j`, as
     vLLM seeds parallel samples: a fork sampled from its parent's logits passes its own `seq_id`
-    and `sample_index`; afterwards the forked sequence carries its index."""
+    and `sample_index`; afterwards the forked sequence carries its index. `ahead`: the draft
+    tokens before this position (speculative decoding), sampled as if they were already output:
+    they count for the penalties, for min_tokens and for the seeded noise's position."""
     p = seq.params
     banned: tuple[int, ...] = ()
-    if seq.num_output_tokens < p.min_tokens:
+    if seq.num_output_tokens + len(ahead) < p.min_tokens:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops |= eos_token_ids
         banned = tuple(sorted(stops))
     index = seq.sample_index if sample_index is None else sample_index
     sampling = SeqSampling(seq.seq_id if seq_id is None else seq_id, p.temperature, p.top_p, p.top_k, p.min_p,
-                           None if p.seed is None else p.seed + index, banned, position=seq.num_tokens)
+                           None if p.seed is None else p.seed + index, banned, position=seq.num_tokens + len(ahead))
     if p.allowed_token_ids is not None:
         sampling.allowed_token_ids = tuple(p.allowed_token_ids)
     if p.logit_bias:
@@ -35,7 +37,7 @@ def sampling_for(seq: Sequence, eos_token_ids: frozenset[int], seq_id: int | Non
         sampling.frequency_penalty = p.frequency_penalty
         sampling.repetition_penalty = p.repetition_penalty
         sampling.prompt_token_ids = tuple(seq.prompt_token_ids)
-        sampling.output_token_ids = tuple(seq.output_token_ids)
+        sampling.output_token_ids = tuple(seq.output_token_ids) + tuple(ahead)
     if p.needs_logprobs:
         sampling.num_logprobs = p.logprobs or 0
     if p.use_beam_search:  # the candidates beam search ranks
@@ -58,7 +60,10 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     sample_indices = []
     sampling = []
-    grammars = []  # of the sequences that sample under a structured output, one mask row each
+    # (grammar, drafts) of the sequences that sample under a structured output: a mask row for
+    # each sampled position (1 + its drafts).
+    grammars = []
+    num_mask_rows = 0
     prompt_logprobs = []
     drafts_of = sched.drafts
     logit_rows = [] if drafts_of else None  # the flat row of each sampling entry, with drafts
@@ -76,10 +81,16 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
             query_lens[i] = n
             context_lens[i] = end
             block_tables[i, :len(table)] = table
+            # A grammar's mask rows: one per position, each after the drafts before it.
+            first_mask = -1
+            if seq.grammar is not None:
+                first_mask, num_mask_rows = num_mask_rows, num_mask_rows + n
+                grammars.append((seq.grammar, drafts))
             for j in range(n):
                 sample_indices.append(i)
-                sampling.append(sampling_for(seq, eos_token_ids))
-                sampling[-1].position = seq.num_tokens + j  # seeded noise as without drafts
+                sampling.append(sampling_for(seq, eos_token_ids, ahead=drafts[:j]))
+                if first_mask >= 0:
+                    sampling[-1].bitmask_index = first_mask + j
                 logit_rows.append(t + j)
             t += n
             continue
@@ -107,8 +118,9 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
                 logit_rows.append(t + n - 1)
             mask_row = -1
             if seq.grammar is not None:
-                mask_row = sampling[-1].bitmask_index = len(grammars)
-                grammars.append(seq.grammar)
+                mask_row = sampling[-1].bitmask_index = num_mask_rows
+                num_mask_rows += 1
+                grammars.append((seq.grammar, ()))
             # Parallel samples: the same logits row, once more per fork (sample index j); a fork's
             # first token has its parent's mask (its matcher is copied from the parent's after).
             for j, fork_id in enumerate(seq.fork_ids, start=1):
@@ -127,4 +139,4 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
         publish=sched.publish,
         finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs,
-        token_bitmask=fill_bitmasks(grammars) if grammars else None)
+        token_bitmask=fill_bitmasks(grammars, num_mask_rows) if grammars else None)

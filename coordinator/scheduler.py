@@ -356,6 +356,8 @@ class Scheduler:
             stats.num_generation_tokens += 1
             update.new_tokens.append(NewToken(seq, token, logprobs[row] if logprobs else None))
             status = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            if status is None and seq.grammar is not None and seq.grammar.accept(token):
+                status = SequenceStatus.FINISHED_STOPPED  # its structured output is complete
             if status is not None:
                 self.finish(seq, status)
                 return
@@ -479,7 +481,10 @@ class Scheduler:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - seq.num_tokens - 1)
-        return propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if seq.grammar is not None:  # a draft the grammar refuses could never be accepted
+            drafts = seq.grammar.valid_prefix(drafts)
+        return drafts
 
     def _loads_instead(self, seq: Sequence) -> bool:
         """Whether a running prefill's next blocks are CPU-tier hits (admitted with part of them

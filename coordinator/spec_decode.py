@@ -15,10 +15,15 @@ follow the same distribution. (With a one-hot draft, accepting iff the target's 
 it accepts with probability p(draft), and a rejection leaves a sample of p conditioned on not
 being the draft: exactly what rejection sampling gives.)
 
+Each position after a draft samples as if the drafts before it were already output: the
+penalties count them, `min_tokens` bans stop tokens by their count, and a structured output's
+mask is its grammar's state after them (llguidance computes those masks in one call). Drafts
+the grammar refuses are cut off before the step, since they could never be accepted.
+
 Rejected drafts leave K/V behind in slots beyond the sequence's computed tokens; the next step
 overwrites them, and the prefix cache only ever registers blocks full of computed (accepted)
-tokens. Sequences that sample under a structured output, with penalties, within `min_tokens`,
-or by beam search decode one token at a time.
+tokens. Beams, and a request's first token while it forks its n samples, decode one token at a
+time.
 """
 
 from __future__ import annotations
@@ -44,8 +49,6 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
 
 
 def speculates(seq) -> bool:
-    """Whether `seq`'s next tokens may be drafted: sampling whose per-position processing needs
-    no state the drafts would change (penalties, a grammar, min_tokens bans, beams)."""
-    p = seq.params
-    return (seq.grammar is None and not p.has_penalties and not p.use_beam_search
-            and seq.num_output_tokens >= p.min_tokens and not seq.fork_ids)
+    """Whether `seq`'s next tokens may be drafted: not a beam (beam search ranks every candidate
+    of one position), nor a sequence about to fork its parallel samples off its next token."""
+    return not seq.params.use_beam_search and not seq.fork_ids

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import llguidance
 import numpy as np
@@ -57,6 +58,11 @@ class SequenceGrammar:
     def copy(self) -> SequenceGrammar:
         """A fork's own matcher, in this one's state."""
         return SequenceGrammar(self.matcher.deep_copy(), self.num_words)
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar allows from here (speculative drafts must
+        satisfy it); the matcher does not move."""
+        return tokens[:self.matcher.validate_tokens(tokens)] if tokens else tokens
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token. True when the sequence ends here: its grammar is complete
@@ -150,16 +156,28 @@ class GrammarCompiler:
 _executor: llguidance.LLExecutor | None = None
 
 
-def fill_bitmasks(grammars: list[SequenceGrammar]) -> np.ndarray:
-    """The allowed-token bitmask of each grammar's next token, [len(grammars), words] int32, bit
-    j of word w set when token 32w + j is allowed. Each matcher must appear once."""
+def fill_bitmasks(grammars: list[tuple[SequenceGrammar, Sequence[int]]], num_rows: int) -> np.ndarray:
+    """The allowed-token bitmasks of each (grammar, drafts): its next token's, then, for a
+    speculating sequence, one after each of its drafts (the grammar must accept them all; the
+    matcher is left as it was). [num_rows, words] int32 with the rows in that order, bit j of
+    word w set when token 32w + j is allowed. Each matcher must appear once."""
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    words = grammars[0].num_words
-    masks = np.empty((len(grammars), words), dtype=np.int32)
-    _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], masks.ctypes.data,
-                                      words * 4, len(grammars))
+    words = grammars[0][0].num_words
+    masks = np.empty((num_rows, words), dtype=np.int32)
+    plain, drafting, row = [], [], 0  # (llguidance's draft call refuses an empty draft list)
+    for grammar, drafts in grammars:
+        if drafts:
+            drafting.append((grammar.matcher, row, list(drafts)))
+        else:
+            plain.append((grammar.matcher, row))
+        row += 1 + len(drafts)
+    assert row == num_rows, (row, num_rows)
+    if plain:
+        _executor.unsafe_compute_mask_ptr(plain, masks.ctypes.data, words * 4, num_rows)
+    if drafting:
+        _executor.unsafe_compute_mask_ptr_with_draft_token(drafting, masks.ctypes.data, words * 4, num_rows)
     return masks
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram proposals: the proposer, the config's checks, and whole engines
 whose outputs with speculation equal those without (greedy and seeded sampling, with chunked
-prefill, prefix caching, preemption, n > 1), while drafts really are accepted."""
+prefill, prefix caching, preemption, n > 1, penalties, min_tokens and structured outputs), while
+drafts really are accepted."""
 
 from __future__ import annotations
 
@@ -99,6 +100,90 @@ def test_max_tokens_and_stop_tokens_cut_an_accepted_run(small_vocab):
         assert got[i] == expected and stats["spec_accepted_tokens_total"] > 0
     assert all(len(o[0]) == 7 for o in got[0])
     assert got[1][0][0][-1] == stop and len(got[1][0][0]) == 10
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
+    SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, presence_penalty=0.2,
+                   repetition_penalty=1.05),
+    SamplingParams(temperature=0.0, max_tokens=40, min_tokens=12, stop_token_ids=[17, 18, 19]),
+], ids=["greedy-penalties", "seeded-n2-penalties", "min-tokens"])
+def test_penalties_and_min_tokens_count_the_drafts_before_each_position(small_vocab, params):
+    """Each position after a draft samples as if the drafts before it were output: penalised by
+    them, and allowed a stop token once they bring the output to min_tokens. A position sampled
+    with the sequence's state before its step (no drafts counted) gives other tokens."""
+    expected, _ = _generate(small_vocab, params)
+    got, stats = _generate(small_vocab, params, speculative_config=SPEC)
+    assert got == expected
+    assert stats["spec_accepted_tokens_total"] > 0
+    if params.min_tokens:  # the ban held until min_tokens, then a stop token ended some outputs
+        assert all(len(o[0]) >= 12 for o in got)
+        assert any(o[0][-1] in (17, 18, 19) and len(o[0]) < 40 for o in got)
+
+
+def test_each_draft_position_samples_with_the_drafts_before_it_as_output():
+    """The plan's sampling rows for a speculating decode: row j counts drafts[:j] as output (the
+    penalties' history, the min_tokens ban, the seeded noise's position). End-to-end equality
+    rarely shows this on a random model (penalties make its drafts rarely accepted)."""
+    from coordinator.plan_builder import build_step_plan
+    from coordinator.scheduler import SchedulerOutput
+    from coordinator.sequence import Sequence
+
+    params = SamplingParams(temperature=0.7, seed=4, frequency_penalty=0.5, min_tokens=5, stop_token_ids=[9])
+    seq = Sequence(0, "r", [3, 4, 5, 6], params)
+    seq.token_ids += [7, 8, 7]  # three output tokens, all computed but the last
+    seq.num_computed_tokens, seq.block_table = 6, [0]
+    drafts = [8, 7, 8]
+    plan = build_step_plan(SchedulerOutput(scheduled=[(seq, 4)], drafts={seq: drafts}), 16, [], frozenset({2}))
+    assert plan.input_ids.tolist() == [7, 8, 7, 8] and plan.positions.tolist() == [6, 7, 8, 9]
+    rows = plan.sampling
+    assert [r.output_token_ids for r in rows] == [(7, 8, 7), (7, 8, 7, 8), (7, 8, 7, 8, 7), (7, 8, 7, 8, 7, 8)]
+    assert [r.position for r in rows] == [7, 8, 9, 10]
+    assert [r.banned_token_ids for r in rows] == [(2, 9), (2, 9), (), ()]  # 3 + j outputs against 5
+    assert all(r.prompt_token_ids == (3, 4, 5, 6) and r.seed == 4 for r in rows)
+
+
+# Tokens 17-23 of the bundled tokenizer are the single characters ! " # $ % & ': the grammar
+# alternates between two classes, so each draft position has its own mask.
+ALTERNATING = r'([!"#][$%&\']){5,14}'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_structured_outputs_speculate_with_each_positions_own_mask(small_vocab, temperature):
+    """Drafts are cut where the grammar refuses them, and position j's mask is the grammar's state
+    after the j drafts before it: the outputs equal those without speculation and match the
+    grammar (a mask from before the drafts would allow the wrong class at every other position)."""
+    import re
+
+    from coordinator.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex=ALTERNATING))
+    expected, _ = _generate(small_vocab, params)
+    got, stats = _generate(small_vocab, params, speculative_config=SPEC)
+    assert got == expected
+    assert stats["spec_accepted_tokens_total"] > 0
+    for (tokens,) in got:
+        assert all(17 <= t <= 23 for t in tokens if t != 2), tokens
+        text = "".join(chr(ord("!") + t - 17) for t in tokens if t != 2)
+        assert re.fullmatch(ALTERNATING.replace("\\'", "'"), text), text
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_them_and_masks_follow_the_drafts(bundled_tokenizer):
+    from coordinator.sampling_params import StructuredOutputsParams
+    from coordinator.structured_output import GrammarCompiler, fill_bitmasks
+
+    compiler = GrammarCompiler(bundled_tokenizer, len(bundled_tokenizer), frozenset({2}))
+    grammar = compiler.start(StructuredOutputsParams(regex=ALTERNATING))
+    other = compiler.start(StructuredOutputsParams(regex=ALTERNATING))
+    assert grammar.valid_prefix([17, 20, 18, 18, 21]) == [17, 20, 18]  # the 2nd 18 is in the wrong class
+    assert grammar.valid_prefix([20]) == [] and grammar.valid_prefix([]) == []
+    masks = fill_bitmasks([(other, ()), (grammar, [17, 20, 18])], 5)
+    allowed = [{t for t in range(17, 24) if row[t // 32] >> (t % 32) & 1} for row in masks]
+    first, second = {17, 18, 19}, {20, 21, 22, 23}
+    assert allowed == [first, first, second, first, second]
+    assert grammar.matcher.validate_tokens([20]) == 0  # the matcher did not move
+    assert not grammar.accept(17) and grammar.matcher.validate_tokens([20]) == 1
 
 
 def test_unseeded_samples_with_speculation_follow_the_distribution_without(small_vocab):
