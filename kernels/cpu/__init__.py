@@ -1,7 +1,7 @@
 """The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
 system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
-linear layers for a few fp32 rows (`int8_linear`, `bf16_linear`, kernels/cpu/weight_gemv.c),
-built the same way.
+linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`,
+kernels/cpu/weight_gemv.c), built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
@@ -94,6 +94,9 @@ _GEMV_SOURCE = Path(__file__).with_name("weight_gemv.c")
 # layers: int8 61 against 118 ms for widening at 16 rows, 112 against 150 at 32, and at 64 rows
 # widening the weight for one GEMM wins (198 against 214 ms); bf16 123 against 230 ms at 32.
 GEMV_MAX_ROWS = 32
+# fp32 weights compete with MKL's GEMM, which wins from ~24 rows (30 layers: 16 rows 51 against
+# 54 ms, 24 rows 71 against 67, 32 rows 115 against 85).
+F32_GEMV_MAX_ROWS = 16
 
 
 def _load_gemv(symbol: str) -> ctypes.CDLL | None:
@@ -101,8 +104,24 @@ def _load_gemv(symbol: str) -> ctypes.CDLL | None:
     return _library(_GEMV_SOURCE, symbol, (ctypes.c_void_p,) * 3 + scale + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
 
 
-def _few_fp32_rows(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu"
+def _few_fp32_rows(x: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    return x.dtype == torch.float32 and x.shape[0] <= max_rows and x.device.type == "cpu"
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T for fp32 `x` [rows, in] with rows <= F32_GEMV_MAX_ROWS and a contiguous fp32
+    `weight` [out, in] (a decode step's few rows); None where the kernel does not apply (or did
+    not build): the caller takes torch's GEMM."""
+    if not _few_fp32_rows(x, F32_GEMV_MAX_ROWS) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    lib = _load_gemv("f32_gemv_f32")
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    lib.f32_gemv_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                     x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:

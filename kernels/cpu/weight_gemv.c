@@ -1,14 +1,18 @@
 /* Weight-only linear layers for a few fp32 activation rows (decode at small batch), with fp32
  * accumulation:
+ *   fp32:  out[m, n] = sum_k w[n, k] * x[m, k]
  *   int8:  out[m, n] = scale[n] * sum_k w[n, k] * x[m, k]
  *   bf16:  out[m, n] = sum_k w[n, k] * x[m, k]
  * A few rows are bound by reading the weight, which int8 makes a quarter of fp32's and bf16 a
  * half; torch has no fast CPU kernel for either here (int8: see workers/quantization.py; bf16:
- * without native bf16 FMA, torch's bf16 GEMM ran 2-4x slower than fp32's at 16-64 rows). Each
- * 8-wide piece of a weight row is widened once and used by every activation row of a block (8,
- * 4, 2 or 1 rows, fixed at compile time so that the accumulators stay in registers); output rows
- * are spread over OpenMP threads. Measured on SmolLM2's 30 decoder layers (2 cores), int8: 1 row
- * 10 ms against 58 ms for the fp32 GEMV, 8 rows 27 against 69 ms.
+ * without native bf16 FMA, torch's bf16 GEMM ran 2-4x slower than fp32's at 16-64 rows), and
+ * MKL's fp32 GEMM reaches only half the memory bandwidth at 1 row and 8-12 rows on this CPU.
+ * Each 8-wide piece of a weight row is widened once and used by every activation row of a block
+ * (8, 4, 2 or 1 rows, fixed at compile time so that the accumulators stay in registers); output
+ * rows are spread over OpenMP threads. Measured on SmolLM2's 30 decoder layers (2 cores), int8:
+ * 1 row 10 ms against 58 ms for the fp32 GEMV, 8 rows 27 against 69 ms; fp32: 1 row 19 against
+ * 36 ms, 8 rows 29 against 44, 12 rows 42 against 70, 16 rows 51 against 54 (MKL, weight-major as
+ * the model calls it).
  */
 #include <stdint.h>
 #include <string.h>
@@ -40,6 +44,12 @@ static inline v8f widen8_bf16(const uint16_t *p) {
 }
 #endif
 
+static inline v8f widen8_f32(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float one_f32(float w) { return w; }
 static inline float one_int8(int8_t w) { return (float)w; }
 static inline float one_bf16(uint16_t w) {
     const uint32_t bits = (uint32_t)w << 16;
@@ -109,10 +119,17 @@ static inline float lanes(v8f v) {
         }                                                                                        \
     }
 
+typedef float f32_w;
 typedef int8_t int8_w;
 typedef uint16_t bf16_w;
+GEMV(f32)
 GEMV(int8)
 GEMV(bf16)
+
+void f32_gemv_f32(float *out, const float *x, const float *w,
+                  int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    gemv_f32(out, x, w, NULL, rows, n_out, k_in, num_threads);
+}
 
 void int8_gemv_f32(float *out, const float *x, const int8_t *w, const float *scale,
                    int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
