@@ -1,7 +1,8 @@
 """The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
 system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
 linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`,
-kernels/cpu/weight_gemv.c), built the same way.
+kernels/cpu/weight_gemv.c) and the decoder layer's fp32 element-wise steps (`add_rms_norm`,
+`silu_mul`, `rope`, kernels/cpu/elementwise.c), built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
@@ -153,6 +154,64 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     out = x.new_empty(x.shape[0], weight.shape[0])
     lib.bf16_gemv_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return out
+
+
+_ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """RMSNorm of `residual + delta` (the decoder's residual stream), in one pass: `residual`
+    [rows, dim] contiguous fp32 becomes the sum, in place (with no `delta`, it stays), and the
+    normed rows come back. None where the kernel does not apply or did not build."""
+    if not (residual.is_contiguous() and weight.is_contiguous() and _fp32_cpu(residual, weight)
+            and (delta is None or _fp32_cpu(delta))):
+        return None
+    lib = _library(_ELEMENTWISE_SOURCE, "add_rms_norm_f32",
+                   (_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int))
+    if lib is None:
+        return None
+    rows, dim = residual.shape
+    out = torch.empty_like(residual)
+    d_ptr, (d_row, d_col) = (None, (0, 0)) if delta is None else (delta.data_ptr(), delta.stride())
+    lib.add_rms_norm_f32(residual.data_ptr(), d_ptr, d_row, d_col, weight.data_ptr(), out.data_ptr(),
+                         rows, dim, eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for the gate/up projection's fp32 output [rows, 2 * inter] (any strides),
+    into a new contiguous [rows, inter]; None where the kernel does not apply or did not build."""
+    if not _fp32_cpu(gate_up):
+        return None
+    lib = _library(_ELEMENTWISE_SOURCE, "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int))
+    if lib is None:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    lib.silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), *gate_up.stride(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of fp32 `x` [rows, heads, dim] (any strides) with `cos`/`sin` [rows, 1,
+    dim] contiguous, into a new contiguous tensor (transformers' rotate_half form); None where
+    the kernel does not apply or did not build."""
+    if not (cos.is_contiguous() and sin.is_contiguous() and _fp32_cpu(x, cos, sin)):
+        return None
+    lib = _library(_ELEMENTWISE_SOURCE, "rope_f32", (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                                    ctypes.c_int))
+    if lib is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rope_f32(out.data_ptr(), x.data_ptr(), *x.stride(), cos.data_ptr(), sin.data_ptr(), *x.shape,
+                 torch.get_num_threads())
     return out
 
 

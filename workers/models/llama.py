@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import bf16_linear, f32_linear, int8_linear
+from kernels.cpu import add_rms_norm, bf16_linear, f32_linear, int8_linear, rope, silu_mul
 from workers.parallel import TensorParallel
 
 
@@ -101,6 +101,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of `residual + delta` (of `residual` alone without `delta`), and that sum:
+        the residual stream's add fused with the next norm, as vLLM fuses them. In fp32 on a
+        CPU one C pass, which updates `residual` in place."""
+        out = add_rms_norm(delta, residual, self.weight, self.eps)
+        if out is not None:
+            return out, residual
+        if delta is not None:
+            residual = residual + delta
+        return self(residual), residual
+
 
 def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position, as transformers' rotary module computes them: its own
@@ -126,6 +137,9 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    out = rope(x, cos, sin)  # fp32 on a CPU: one C pass
+    if out is not None:
+        return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -176,8 +190,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = project(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(project(F.silu(gate) * up, self.down_proj))
+        gate_up = project(x, self.gate_up_proj)
+        h = silu_mul(gate_up)  # fp32 on a CPU: one C pass
+        if h is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+        return self.tp.all_reduce(project(h, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -188,9 +206,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's output; residual: the stream it adds to (None at the first
+        layer, whose x is the embeddings). Returns this layer's output and the stream, for the
+        next layer's norm to add them (vLLM's form: each add is fused with the norm after it)."""
+        if residual is None:
+            x, residual = None, x
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -218,9 +243,10 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # shared by every layer
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

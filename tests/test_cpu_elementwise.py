@@ -1,0 +1,69 @@
+"""The decoder layer's fp32 element-wise C kernels (kernels/cpu/elementwise.c) against torch's
+own ops, on contiguous and on transposed inputs (the layers' products may be either), and their
+refusal where they do not apply. Whole-model equality with transformers: test_model_correctness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+
+EPS = 0.25  # large enough that a kernel ignoring it fails
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+
+def _maybe_transposed(rows: int, cols: int, transposed: bool) -> torch.Tensor:
+    """[rows, cols]: contiguous, or a transposed view as `mm(weight, x.t()).t()` returns."""
+    return torch.randn(cols, rows).t() if transposed else torch.randn(rows, cols)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, dim", [(1, 64), (5, 61), (70, 576)])
+def test_add_rms_norm_adds_into_the_residual_and_norms_the_sum(rows, dim, transposed):
+    torch.manual_seed(rows)
+    residual, delta, weight = torch.randn(rows, dim), _maybe_transposed(rows, dim, transposed), torch.randn(dim)
+    total = residual + delta
+    expected = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS))
+    stream = residual.clone()
+    out = cpu.add_rms_norm(delta, stream, weight, EPS)
+    torch.testing.assert_close(stream, total, rtol=0, atol=0)  # the add, in place, exact
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    alone = cpu.add_rms_norm(None, residual.clone(), weight, EPS)  # no delta: the norm alone
+    torch.testing.assert_close(alone, weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + EPS)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, inter", [(1, 8), (3, 13), (40, 1536)])
+def test_silu_mul_equals_torchs_silu_times_up(rows, inter, transposed):
+    torch.manual_seed(inter)
+    gate_up = _maybe_transposed(rows, 2 * inter, transposed) * 4  # reach silu's saturated ends
+    gate, up = gate_up.split(inter, dim=-1)
+    out = cpu.silu_mul(gate_up)
+    assert out.is_contiguous() and out.shape == (rows, inter)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, heads, dim", [(1, 3, 8), (6, 9, 64), (33, 2, 128)])
+def test_rope_equals_the_rotate_half_form(rows, heads, dim, transposed):
+    torch.manual_seed(dim)
+    # q as the attention layer takes it: the first heads * dim columns of the QKV product.
+    qkv = _maybe_transposed(rows, heads * dim + 16, transposed)
+    x = qkv[:, :heads * dim].reshape(rows, heads, dim)
+    cos, sin = torch.randn(rows, 1, dim), torch.randn(rows, 1, dim)
+    half = dim // 2
+    expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    out = cpu.rope(x, cos, sin)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_refuse_what_they_do_not_compute():
+    x16 = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert cpu.add_rms_norm(None, x16, torch.ones(64, dtype=torch.bfloat16), EPS) is None
+    assert cpu.add_rms_norm(None, torch.randn(64, 4).t(), torch.ones(64), EPS) is None  # the stream must be contiguous
+    assert cpu.silu_mul(x16) is None
+    assert cpu.rope(x16.view(4, 1, 64), torch.randn(4, 1, 64), torch.randn(4, 1, 64)) is None
