@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"a subset of {','.join(ALL_CONFIGS)}")
     p.add_argument("--cores", type=int, default=2, help="worker threads in all: P/D and two replicas split them")
     p.add_argument("--kv-cache-memory", type=int, default=512 * MiB, help="bytes of KV pool per replica")
+    p.add_argument("--cpu-threads-bind", default="auto", help="the engines' cpu_threads_bind (auto, nobind)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, help="shorter prompts skip the prefill hop")
     p.add_argument("--pd-decode-prefill-chunk", type=int, default=None,
                    help="the decode replica's long_prefill_token_threshold (default 1)")
@@ -96,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def configuration(name: str, args) -> tuple[EngineConfig, dict]:
     """(engine config, ServerOptions fields) of one configuration."""
     half = max(1, args.cores // 2)
-    base = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, enable_chunked_prefill=True)
+    base = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, enable_chunked_prefill=True,
+                cpu_threads_bind=args.cpu_threads_bind)
     if name == "pd":
         decode = {k: v for k, v in (("long_prefill_token_threshold", args.pd_decode_prefill_chunk),
                                     ("max_loaded_blocks_per_step", args.pd_decode_load_blocks)) if v is not None}
@@ -197,7 +199,8 @@ def run_config(name: str, args) -> dict:
         with pagedserve.Client(target, timeout=120) as client:  # first-call costs, every replica
             for i in range(replicas):
                 client.generate(ids(random.Random(-1 - i), 64), max_tokens=4, temperature=0.0, ignore_eos=True)
-        engine = {"worker_cpus": config.worker_cpus, "max_num_batched_tokens": config.max_num_batched_tokens}
+        engine = {"worker_cpus": config.worker_cpus, "max_num_batched_tokens": config.max_num_batched_tokens,
+                  "cpu_threads_bind": config.cpu_threads_bind}
         report = {"engine": engine, "options": options, "startup_s": startup, "rates": {}}
         for i, rate in enumerate(args.rates):
             r = report["rates"][str(rate)] = asyncio.run(run_rate(target, rate, i, args))

@@ -105,6 +105,11 @@ class EngineConfig:
         "help": "logical CPUs each worker rank reserves from Ray, and its torch threads; 0: one reserved, "
                 "threads = the node's cores / tensor_parallel_size (a server with replicas splits the "
                 "cluster's CPUs among their ranks)"})
+    cpu_threads_bind: str = field(default="auto", metadata={
+        "help": "CPU cores of each worker rank's torch threads, one thread per core (vLLM's "
+                "VLLM_CPU_OMP_THREADS_BIND): 'auto' (Ray workers claim free cores of their node, in "
+                "order; the offline in-process engine is not pinned), 'nobind', or per rank "
+                "'0-3|4-7' (ranks split by '|', cores as '0-3' or '0,2')"})
     placement_node: str = field(default="", metadata={
         "help": "Ray node id the worker group should be placed on if it fits there (a server spreads "
                 "its replicas this way); empty: wherever Ray places it"})
@@ -143,6 +148,10 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
                              "enable_chunked_prefill: a capped prompt is computed in chunks")
         _at_least("worker_cpus", self.worker_cpus, 0)
+        cores = threads_bind_cores(self.cpu_threads_bind)
+        if cores is not None and len(cores) != self.tensor_parallel_size:
+            raise ValueError(f"cpu_threads_bind names cores for {len(cores)} rank(s); tensor_parallel_size is "
+                             f"{self.tensor_parallel_size}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) > 1 needs "
                              "distributed_executor_backend 'ray' or 'auto'; 'uni' runs one rank")
@@ -164,6 +173,27 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def threads_bind_cores(spec: str) -> list[list[int]] | None:
+    """`cpu_threads_bind`'s cores per rank, or None for 'auto' and 'nobind'; ValueError naming
+    the field where it is neither those nor a list like '0-3|4-7' or '0,2|1,3'."""
+    if spec in ("auto", "nobind"):
+        return None
+    ranks = []
+    try:
+        for rank in spec.split("|"):
+            cores = []
+            for part in rank.split(","):
+                low, _, high = part.partition("-")
+                cores += range(int(low), int(high or low) + 1)
+            if not cores or min(cores) < 0 or len(set(cores)) != len(cores):
+                raise ValueError
+            ranks.append(cores)
+    except ValueError:
+        raise ValueError(f"cpu_threads_bind must be 'auto', 'nobind' or cores per rank like '0-3|4-7'; "
+                         f"got {spec!r}") from None
+    return ranks
 
 
 def check_batched_tokens(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> None:

@@ -77,10 +77,13 @@ def tiny_llama_one_kv_head(tmp_path_factory, bundled_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(tmp_path_factory):
     """One local Ray session for the whole test run (starting one costs seconds)."""
     import ray
 
+    # The workers' core claims (cpu_threads_bind auto) in a registry of this run's own, which the
+    # raylet's worker processes inherit: a server running beside the tests holds none of them.
+    os.environ["PAGEDSERVE_CORE_REGISTRY"] = str(tmp_path_factory.mktemp("cores") / "cores.json")
     # 4 logical CPUs on 2 cores: room for SmolLM2 at tensor_parallel_size=3 (9 heads, 3 KV heads).
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield

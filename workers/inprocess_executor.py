@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.config import EngineConfig, ModelSource
+from pagedserve.config import EngineConfig, ModelSource, threads_bind_cores
 from workers.executor import Executor, WorkerFailedError
 from workers.step_plan import StepOutput, StepPlan
 from workers.worker import Worker
@@ -14,6 +14,14 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, hf_config=None):
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs the Ray executor; InProcessExecutor runs one rank")
+        cores = threads_bind_cores(config.cpu_threads_bind)
+        if cores is not None and config.device == "cpu":
+            # Named cores only: 'auto' leaves the caller's process (its own threads) unpinned.
+            from workers.cpu_binding import bind_threads
+
+            if not bind_threads(cores[0]):
+                raise ValueError(f"cpu_threads_bind: cannot pin this process's threads to cores {cores[0]} "
+                                 f"(allowed: {sorted(os.sched_getaffinity(0))})")
         self.worker: Worker | None = Worker(config, source, max_model_len, hf_config=hf_config)
 
     def collective_rpc(self, method: str, *args) -> list:

@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.config import EngineConfig, ModelSource
+from pagedserve.config import EngineConfig, ModelSource, threads_bind_cores
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.model_config import ConfigSnapshot
@@ -40,6 +40,7 @@ class WorkerActor:
 
     def __init__(self):
         self.worker = None
+        self.cores = None  # the cores its torch threads are pinned to, if they are
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port free right now, for the process group's TCP store."""
@@ -53,6 +54,7 @@ class WorkerActor:
         import torch
         import torch.distributed as dist
 
+        from workers.cpu_binding import bind_worker
         from workers.parallel import TensorParallel
         from workers.worker import Worker
 
@@ -60,8 +62,12 @@ class WorkerActor:
         if config.device == "cpu":
             # With worker_cpus, as many threads as CPUs reserved (replicas split a node's cores).
             # Else the bundle reserves one logical CPU so that servers can share a node, and the
-            # threads take this rank's share of the node's cores (all of them at TP 1).
-            torch.set_num_threads(config.worker_cpus or max(1, (os.cpu_count() or 1) // size))
+            # threads take this rank's share of the node's cores (all of them at TP 1). Then
+            # each thread pinned to a core of its own (workers/cpu_binding.py).
+            threads = config.worker_cpus or max(1, (os.cpu_count() or 1) // size)
+            torch.set_num_threads(threads)
+            self.cores = bind_worker(config.cpu_threads_bind, rank, threads,
+                                     threads_bind_cores(config.cpu_threads_bind))
         if size > 1:
             _gloo_interface_of(ray.util.get_node_ip_address())
             backend = "nccl" if config.device == "cuda" else "gloo"
@@ -82,6 +88,9 @@ class WorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def bound_cores(self) -> list[int] | None:
+        return self.cores
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

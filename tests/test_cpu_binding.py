@@ -1,0 +1,117 @@
+"""`cpu_threads_bind`: the spec's parsing, the node-wide core registry, and real Ray workers whose
+torch threads end up pinned to cores of their own (read back from the kernel, per thread)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import ray
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig, threads_bind_cores
+from workers import cpu_binding
+
+two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+
+
+def test_the_spec_is_parsed_and_bad_ones_are_refused_naming_the_field():
+    assert threads_bind_cores("auto") is None and threads_bind_cores("nobind") is None
+    assert threads_bind_cores("0-2|3,5") == [[0, 1, 2], [3, 5]]
+    for bad in ("", "x", "2-1", "0,0", "1|", "-1"):
+        with pytest.raises(ValueError, match="cpu_threads_bind must be 'auto', 'nobind' or cores per rank"):
+            threads_bind_cores(bad)
+    with pytest.raises(ValueError, match=r"cpu_threads_bind names cores for 2 rank\(s\); tensor_parallel_size is 1"):
+        EngineConfig(cpu_threads_bind="0|1")
+
+
+@two_cores
+def test_cores_are_claimed_once_and_come_back_when_their_process_ends(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CORE_REGISTRY", str(tmp_path / "cores.json"))
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert cpu_binding.claim_cores(1) == [first]
+        assert cpu_binding.claim_cores(1, pid=other.pid) == [second]
+        everything = len(os.sched_getaffinity(0))
+        assert cpu_binding.claim_cores(everything, pid=other.pid) is None  # too few free: nothing taken
+        assert cpu_binding.claim_cores(1) == [first]  # a process's new claim replaces its old one
+    finally:
+        other.kill()
+        other.wait()
+    # The dead process's core is free again.
+    assert cpu_binding.claim_cores(2) == [first, second]
+
+
+def _pinned_cores(pid: int) -> set[int]:
+    """The cores of the threads of `pid` that are pinned to exactly one core."""
+    out = set()
+    for thread in psutil.Process(pid).threads():
+        try:
+            cores = os.sched_getaffinity(thread.id)
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(cores) == 1:
+            out |= cores
+    return out
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11, 3 * i + 2]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _holders_gone(timeout: float = 20.0) -> None:
+    """Wait for earlier tests' workers (ended, maybe still exiting) to leave the registry's cores."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            held = cpu_binding.json.loads(cpu_binding.registry_path().read_text())
+        except (OSError, ValueError):
+            return
+        if not any(cpu_binding._alive(int(pid)) for pid in held):
+            return
+        time.sleep(0.2)
+
+
+@two_cores
+def test_ray_workers_pin_their_threads_to_cores_of_their_own(ray_session, tiny_llama):
+    with LLM(tiny_llama, tensor_parallel_size=2, worker_cpus=1, cpu_threads_bind="nobind",
+             kv_cache_memory=1 << 22) as llm:
+        expected = _greedy(llm)
+        workers = llm.engine.executor.workers
+        assert ray.get([w.bound_cores.remote() for w in workers]) == [None, None]
+    for spec in ("auto", "1|0"):
+        _holders_gone()
+        with LLM(tiny_llama, tensor_parallel_size=2, worker_cpus=1, cpu_threads_bind=spec,
+                 kv_cache_memory=1 << 22) as llm:
+            workers = llm.engine.executor.workers
+            cores = ray.get([w.bound_cores.remote() for w in workers])
+            pids = ray.get([w.pid.remote() for w in workers])
+            if spec == "1|0":
+                assert cores == [[1], [0]]
+            else:  # claimed in rank order from the node's first free cores
+                assert sorted(cores) == [[c] for c in sorted(os.sched_getaffinity(0))[:2]]
+            assert _greedy(llm) == expected
+            # The thread that ran the model (torch's one thread here) is pinned, and to its own core.
+            for pid, own in zip(pids, cores):
+                assert _pinned_cores(pid) == set(own), (spec, pid, own)
+
+
+@two_cores
+def test_the_offline_engine_pins_only_named_cores_and_refuses_cores_it_cannot_take(tiny_llama):
+    """In a process of its own: pinning the caller's thread would outlive the test."""
+    script = (f"import os; from pagedserve import LLM; "
+              f"llm = LLM({tiny_llama!r}, cpu_threads_bind='1', kv_cache_memory=1 << 22); "
+              f"print(sorted(os.sched_getaffinity(0)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[1]"
+    refused = subprocess.run([sys.executable, "-c", script.replace("'1'", "'4095'")], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "cpu_threads_bind: cannot pin this process's threads to cores [4095]" in refused.stderr

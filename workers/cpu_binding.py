@@ -1,0 +1,99 @@
+"""Pinning a worker's torch threads to cores of their own (`cpu_threads_bind`).
+
+Why: each step ends every thread at a barrier, so one thread that the kernel moves onto a core
+another worker is using (or leaves waiting for one) delays the whole step. With several workers
+on a node (replicas, tensor-parallel ranks, a prefill and a decode side) the scheduler's
+placement drifts; pinned, each worker computes on cores nobody else of ours takes.
+
+'auto': a Ray worker claims the first free cores of those its process may use, as many as its
+threads, in a node-wide registry (a JSON file under a lock in /dev/shm, or the temporary
+directory without it). Claims of dead processes are dropped, so a rebuilt worker takes the cores
+its dead predecessor held. Where too few cores are free the worker is not pinned (logged).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "threads.c"
+
+
+def registry_path() -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return Path(os.environ.get("PAGEDSERVE_CORE_REGISTRY", os.path.join(base, "pagedserve-cores.json")))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_cores(count: int, pid: int | None = None) -> list[int] | None:
+    """`count` cores of this process's allowed set that no live process holds in the registry,
+    recorded as `pid`'s (this process's by default; a process's earlier claim is replaced);
+    None, recording nothing, when fewer are free."""
+    pid = os.getpid() if pid is None else pid
+    allowed = sorted(os.sched_getaffinity(0))
+    path = registry_path()
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            held = {int(p): cores for p, cores in json.loads(path.read_text()).items()}
+        except (OSError, ValueError):
+            held = {}
+        held = {p: cores for p, cores in held.items() if p != pid and _alive(p)}
+        taken = {c for cores in held.values() for c in cores}
+        free = [c for c in allowed if c not in taken]
+        claimed = free[:count] if len(free) >= count else None
+        if claimed is not None:
+            held[pid] = claimed
+        tmp = path.with_suffix(f".{pid}.tmp")
+        tmp.write_text(json.dumps({str(p): cores for p, cores in held.items()}))
+        os.replace(tmp, path)
+    return claimed
+
+
+def bind_threads(cores: list[int]) -> bool:
+    """Size torch's thread pool to `cores` and pin its thread i to cores[i] (call from the thread
+    that runs the model). False, changing only the pool's size, where the helper did not build
+    or a core could not be taken."""
+    from kernels.cpu import _library
+
+    torch.set_num_threads(len(cores))
+    lib = _library(_SOURCE, "bind_omp_threads", (ctypes.c_void_p, ctypes.c_int))
+    if lib is None:
+        return False
+    lib.bind_omp_threads.restype = ctypes.c_int
+    array = (ctypes.c_int * len(cores))(*cores)
+    return lib.bind_omp_threads(array, len(cores)) == len(cores)
+
+
+def bind_worker(spec: str, rank: int, threads: int, explicit: list[list[int]] | None) -> list[int] | None:
+    """A Ray worker's binding under `cpu_threads_bind` = `spec` (its parsed per-rank lists in
+    `explicit`): the cores its threads were pinned to, or None where they were not."""
+    if spec == "nobind":
+        return None
+    cores = explicit[rank] if explicit is not None else claim_cores(threads)
+    if cores is None:
+        log.warning("cpu_threads_bind auto: fewer than %d free cores on this node; rank %d's threads are "
+                    "not pinned", threads, rank)
+        return None
+    if not bind_threads(cores):
+        log.warning("cpu_threads_bind: could not pin rank %d's threads to cores %s", rank, cores)
+        return None
+    return cores
