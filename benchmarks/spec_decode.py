@@ -1,9 +1,12 @@
 """Speculative decoding (n-gram proposals), measured: decode tokens/s with and without it, in one run.
 
-Two workloads, both greedy, on the bundled model through the offline API:
+Three workloads, all greedy, on the bundled model through the offline API:
 - **input-grounded**: the model is asked (its chat template) to copy out, or lightly edit, a
   passage of real English it is given (windows of the corpus the other benchmarks use): outputs
   that copy from the prompt, where prompt lookup finds its drafts;
+- **json-extraction**: the model is given a record (a name, a city, a title and a quote from the
+  corpus) and returns it as JSON under a JSON schema (structured outputs): drafts copied from the
+  prompt must also satisfy the grammar, and each draft position samples under its own mask;
 - **plain**: the offline benchmark's workload (continuations of windows of text), where drafts
   are rarely right: speculation must cost little there.
 Each at 1 stream and `--streams` streams, with `num_speculative_tokens` K and without. Reported:
@@ -28,11 +31,16 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.offline_throughput import MODEL, Stopwatch  # noqa: E402
-from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedserve.bench.dataset import corpus_text  # noqa: E402
 
 INSTRUCTIONS = ("Copy the following text exactly, word for word:\n\n{}",
                 "Rewrite the following text with every sentence kept, fixing any typos:\n\n{}")
+RECORD_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city", "title", "quote"],
+                 "properties": {key: {"type": "string"} for key in ("name", "city", "title", "quote")}}
+NAMES = ("Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth")
+CITIES = ("London", "Manchester", "Arlington", "Amsterdam", "Boston", "Stanford")
+TITLES = ("analyst", "mathematician", "rear admiral", "professor", "engineer", "author")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,29 +58,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def workloads(tokenizer, args) -> dict[str, list[list[int]]]:
+def _chat(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                              add_generation_prompt=True, return_dict=False))
+
+
+def workloads(tokenizer, args) -> dict[str, tuple[list[list[int]], StructuredOutputsParams | None]]:
+    """name -> (prompts, the structured output they are sampled under, if any)."""
     corpus = tokenizer.encode(corpus_text(), add_special_tokens=False)
     rng = random.Random(args.seed)
     windows = []
     for _ in range(args.passages):
         start = rng.randint(0, len(corpus) - args.passage_tokens)
         windows.append(corpus[start:start + args.passage_tokens])
-    grounded = []
+    grounded = [_chat(tokenizer, INSTRUCTIONS[i % len(INSTRUCTIONS)].format(tokenizer.decode(window)))
+                for i, window in enumerate(windows)]
+    records = []
     for i, window in enumerate(windows):
-        text = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(tokenizer.decode(window))
-        grounded.append(list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False)))
-    return {"input-grounded": grounded, "plain": windows}
+        quote = " ".join(tokenizer.decode(window[:48]).replace('"', "'").split())
+        records.append(_chat(tokenizer, "Return this record as a JSON object with the keys name, city, title and "
+                                        f"quote, each value copied exactly:\n\nname: {NAMES[i % len(NAMES)]}\n"
+                                        f"city: {CITIES[i % len(CITIES)]}\ntitle: {TITLES[i % len(TITLES)]}\n"
+                                        f"quote: {quote}"))
+    schema = StructuredOutputsParams(json=RECORD_SCHEMA, disable_any_whitespace=True)
+    return {"input-grounded": (grounded, None), "json-extraction": (records, schema), "plain": (windows, None)}
 
 
-def run(llm: LLM, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[dict, list]:
+def run(llm: LLM, prompts: list[list[int]], streams: int, max_tokens: int,
+        structured: StructuredOutputsParams | None = None) -> tuple[dict, list]:
     """Decode tokens/s over the prompts, `streams` at a time (the time of the same batches with
     max_tokens 1, their prefills, taken off: prefix caching is off); the greedy outputs."""
     with Stopwatch() as prefill:
         for i in range(0, len(prompts), streams):
             llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + streams]],
                          SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured)
     before = llm.stats()
     outputs, tokens = [], 0
     with Stopwatch() as watch:
@@ -99,11 +119,12 @@ def main(argv=None) -> None:
     for mode, extra in (("baseline", {}), ("ngram", {"speculative_config": spec})):
         with LLM(args.model, enable_prefix_caching=False, **extra) as llm:
             loads = workloads(llm.get_tokenizer(), args)
-            llm.generate([{"prompt_token_ids": loads["plain"][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
-            for name, prompts in loads.items():
+            llm.generate([{"prompt_token_ids": loads["plain"][0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+            for name, (prompts, structured) in loads.items():
                 for streams in (1, args.streams):
                     key = f"{name}/{streams}"
-                    results.setdefault(key, {})[mode], outputs[(key, mode)] = run(llm, prompts, streams, args.max_tokens)
+                    results.setdefault(key, {})[mode], outputs[(key, mode)] = run(llm, prompts, streams, args.max_tokens,
+                                                                                  structured)
                     r = results[key][mode]
                     print(f"{key:<18} {mode:<9} {r['tokens_per_s']:7.1f} tok/s  acceptance "
                           f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}", flush=True)

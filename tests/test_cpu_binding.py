@@ -69,13 +69,7 @@ def _greedy(llm: LLM) -> list[list[int]]:
 def _holders_gone(timeout: float = 20.0) -> None:
     """Wait for earlier tests' workers (ended, maybe still exiting) to leave the registry's cores."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            held = cpu_binding.json.loads(cpu_binding.registry_path().read_text())
-        except (OSError, ValueError):
-            return
-        if not any(cpu_binding._alive(int(pid)) for pid in held):
-            return
+    while cpu_binding.live_claims() and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

@@ -43,20 +43,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def live_claims() -> dict[int, list[int]]:
+    """The registry's claims of processes still alive: pid -> cores."""
+    try:
+        held = {int(p): cores for p, cores in json.loads(registry_path().read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+    return {p: cores for p, cores in held.items() if _alive(p)}
+
+
 def claim_cores(count: int, pid: int | None = None) -> list[int] | None:
     """`count` cores of this process's allowed set that no live process holds in the registry,
-    recorded as `pid`'s (this process's by default; a process's earlier claim is replaced);
-    None, recording nothing, when fewer are free."""
+    recorded as `pid`'s (this process's by default), or None when fewer are free. Either way the
+    claim replaces the process's earlier one: an unpinned process holds no cores."""
     pid = os.getpid() if pid is None else pid
     allowed = sorted(os.sched_getaffinity(0))
     path = registry_path()
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            held = {int(p): cores for p, cores in json.loads(path.read_text()).items()}
-        except (OSError, ValueError):
-            held = {}
-        held = {p: cores for p, cores in held.items() if p != pid and _alive(p)}
+        held = {p: cores for p, cores in live_claims().items() if p != pid}
         taken = {c for cores in held.values() for c in cores}
         free = [c for c in allowed if c not in taken]
         claimed = free[:count] if len(free) >= count else None
