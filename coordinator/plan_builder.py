@@ -139,4 +139,4 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
         copy=sched.copies, swap_out=sched.swap_out, swap_in=sched.swap_in, load=sched.load,
         publish=sched.publish,
         finished_seq_ids=finished_seq_ids, prompt_logprobs=prompt_logprobs,
-        token_bitmask=fill_bitmasks(grammars, num_mask_rows) if grammars else None)
+        token_bitmask=fill_bitmasks(grammars) if grammars else None)

@@ -156,24 +156,23 @@ class GrammarCompiler:
 _executor: llguidance.LLExecutor | None = None
 
 
-def fill_bitmasks(grammars: list[tuple[SequenceGrammar, Sequence[int]]], num_rows: int) -> np.ndarray:
+def fill_bitmasks(grammars: list[tuple[SequenceGrammar, Sequence[int]]]) -> np.ndarray:
     """The allowed-token bitmasks of each (grammar, drafts): its next token's, then, for a
     speculating sequence, one after each of its drafts (the grammar must accept them all; the
-    matcher is left as it was). [num_rows, words] int32 with the rows in that order, bit j of
-    word w set when token 32w + j is allowed. Each matcher must appear once."""
+    matcher is left as it was). [rows, words] int32 with the rows in that order, bit j of word w
+    set when token 32w + j is allowed. Each matcher must appear once."""
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    words = grammars[0][0].num_words
-    masks = np.empty((num_rows, words), dtype=np.int32)
-    plain, drafting, row = [], [], 0  # (llguidance's draft call refuses an empty draft list)
+    plain, drafting, num_rows = [], [], 0  # (llguidance's draft call refuses an empty draft list)
     for grammar, drafts in grammars:
         if drafts:
-            drafting.append((grammar.matcher, row, list(drafts)))
+            drafting.append((grammar.matcher, num_rows, list(drafts)))
         else:
-            plain.append((grammar.matcher, row))
-        row += 1 + len(drafts)
-    assert row == num_rows, (row, num_rows)
+            plain.append((grammar.matcher, num_rows))
+        num_rows += 1 + len(drafts)
+    words = grammars[0][0].num_words
+    masks = np.empty((num_rows, words), dtype=np.int32)
     if plain:
         _executor.unsafe_compute_mask_ptr(plain, masks.ctypes.data, words * 4, num_rows)
     if drafting:

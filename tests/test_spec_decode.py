@@ -178,7 +178,7 @@ def test_drafts_are_cut_where_the_grammar_refuses_them_and_masks_follow_the_draf
     other = compiler.start(StructuredOutputsParams(regex=ALTERNATING))
     assert grammar.valid_prefix([17, 20, 18, 18, 21]) == [17, 20, 18]  # the 2nd 18 is in the wrong class
     assert grammar.valid_prefix([20]) == [] and grammar.valid_prefix([]) == []
-    masks = fill_bitmasks([(other, ()), (grammar, [17, 20, 18])], 5)
+    masks = fill_bitmasks([(other, ()), (grammar, [17, 20, 18])])
     allowed = [{t for t in range(17, 24) if row[t // 32] >> (t % 32) & 1} for row in masks]
     first, second = {17, 18, 19}, {20, 21, 22, 23}
     assert allowed == [first, first, second, first, second]

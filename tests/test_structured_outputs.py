@@ -204,7 +204,7 @@ def test_masks_clear_the_padded_vocabulary_and_grammars_are_cached(bundled_token
     first = compiler.compile(StructuredOutputsParams(json=PERSON))
     assert compiler.compile(StructuredOutputsParams(json=dict(reversed(PERSON.items())))) is first  # same text
     matcher = compiler.start(StructuredOutputsParams(json=PERSON))
-    (mask,) = fill_bitmasks([(matcher, ())], 1)
+    (mask,) = fill_bitmasks([(matcher, ())])
     assert mask.shape == ((padded + 31) // 32,)
     allowed = np.flatnonzero(~unpack_disallowed_numpy(mask[None], padded).numpy()[0])
     assert len(allowed) > 0 and allowed.max() < len(bundled_tokenizer)

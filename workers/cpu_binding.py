@@ -13,7 +13,6 @@ its dead predecessor held. Where too few cores are free the worker is not pinned
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import logging
@@ -21,11 +20,10 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
+from kernels.cpu import pin_omp_threads
+from pagedserve.config import threads_bind_cores
 
 log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "threads.c"
 
 
 def registry_path() -> Path:
@@ -73,32 +71,18 @@ def claim_cores(count: int, pid: int | None = None) -> list[int] | None:
     return claimed
 
 
-def bind_threads(cores: list[int]) -> bool:
-    """Size torch's thread pool to `cores` and pin its thread i to cores[i] (call from the thread
-    that runs the model). False, changing only the pool's size, where the helper did not build
-    or a core could not be taken."""
-    from kernels.cpu import _library
-
-    torch.set_num_threads(len(cores))
-    lib = _library(_SOURCE, "bind_omp_threads", (ctypes.c_void_p, ctypes.c_int))
-    if lib is None:
-        return False
-    lib.bind_omp_threads.restype = ctypes.c_int
-    array = (ctypes.c_int * len(cores))(*cores)
-    return lib.bind_omp_threads(array, len(cores)) == len(cores)
-
-
-def bind_worker(spec: str, rank: int, threads: int, explicit: list[list[int]] | None) -> list[int] | None:
-    """A Ray worker's binding under `cpu_threads_bind` = `spec` (its parsed per-rank lists in
-    `explicit`): the cores its threads were pinned to, or None where they were not."""
+def bind_worker(spec: str, rank: int, threads: int) -> list[int] | None:
+    """A Ray worker's binding under `cpu_threads_bind` = `spec`: the cores its threads were
+    pinned to, or None where they were not."""
     if spec == "nobind":
         return None
+    explicit = threads_bind_cores(spec)
     cores = explicit[rank] if explicit is not None else claim_cores(threads)
     if cores is None:
         log.warning("cpu_threads_bind auto: fewer than %d free cores on this node; rank %d's threads are "
                     "not pinned", threads, rank)
         return None
-    if not bind_threads(cores):
+    if not pin_omp_threads(cores):
         log.warning("cpu_threads_bind: could not pin rank %d's threads to cores %s", rank, cores)
         return None
     return cores

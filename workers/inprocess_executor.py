@@ -17,9 +17,9 @@ class InProcessExecutor(Executor):
         cores = threads_bind_cores(config.cpu_threads_bind)
         if cores is not None and config.device == "cpu":
             # Named cores only: 'auto' leaves the caller's process (its own threads) unpinned.
-            from workers.cpu_binding import bind_threads
+            from kernels.cpu import pin_omp_threads
 
-            if not bind_threads(cores[0]):
+            if not pin_omp_threads(cores[0]):
                 raise ValueError(f"cpu_threads_bind: cannot pin this process's threads to cores {cores[0]} "
                                  f"(allowed: {sorted(os.sched_getaffinity(0))})")
         self.worker: Worker | None = Worker(config, source, max_model_len, hf_config=hf_config)

@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.config import EngineConfig, ModelSource, threads_bind_cores
+from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.model_config import ConfigSnapshot
@@ -66,8 +66,7 @@ class WorkerActor:
             # each thread pinned to a core of its own (workers/cpu_binding.py).
             threads = config.worker_cpus or max(1, (os.cpu_count() or 1) // size)
             torch.set_num_threads(threads)
-            self.cores = bind_worker(config.cpu_threads_bind, rank, threads,
-                                     threads_bind_cores(config.cpu_threads_bind))
+            self.cores = bind_worker(config.cpu_threads_bind, rank, threads)
         if size > 1:
             _gloo_interface_of(ray.util.get_node_ip_address())
             backend = "nccl" if config.device == "cuda" else "gloo"

@@ -2,7 +2,8 @@
 system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
 linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`,
 kernels/cpu/weight_gemv.c) and the decoder layer's fp32 element-wise steps (`add_rms_norm`,
-`silu_mul`, `rope`, kernels/cpu/elementwise.c), built the same way.
+`silu_mul`, `rope`, kernels/cpu/elementwise.c) and the OpenMP thread pinning of
+`cpu_threads_bind` (`pin_omp_threads`, kernels/cpu/threads.c), built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured
@@ -105,8 +106,12 @@ def _load_gemv(symbol: str) -> ctypes.CDLL | None:
     return _library(_GEMV_SOURCE, symbol, (ctypes.c_void_p,) * 3 + scale + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
 
 
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def _few_fp32_rows(x: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
-    return x.dtype == torch.float32 and x.shape[0] <= max_rows and x.device.type == "cpu"
+    return _fp32_cpu(x) and x.shape[0] <= max_rows
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -161,10 +166,6 @@ _ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def _fp32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-
-
 def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """RMSNorm of `residual + delta` (the decoder's residual stream), in one pass: `residual`
@@ -213,6 +214,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     lib.rope_f32(out.data_ptr(), x.data_ptr(), *x.stride(), cos.data_ptr(), sin.data_ptr(), *x.shape,
                  torch.get_num_threads())
     return out
+
+
+def pin_omp_threads(cores: list[int]) -> bool:
+    """Pin thread i of the calling thread's OpenMP pool (torch's intra-op threads) to cores[i],
+    sizing the pool to len(cores) (kernels/cpu/threads.c). False where the helper did not build
+    or a core could not be taken (the pool is sized all the same)."""
+    torch.set_num_threads(len(cores))
+    lib = _library(Path(__file__).with_name("threads.c"), "bind_omp_threads", (_PTR, ctypes.c_int))
+    if lib is None:
+        return False
+    lib.bind_omp_threads.restype = ctypes.c_int
+    return lib.bind_omp_threads((ctypes.c_int * len(cores))(*cores), len(cores)) == len(cores)
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the decode kernel's cache may hold

@@ -44,11 +44,6 @@ static inline v8f widen8_bf16(const uint16_t *p) {
 }
 #endif
 
-static inline v8f widen8_f32(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 static inline float one_f32(float w) { return w; }
 static inline float one_int8(int8_t w) { return (float)w; }
 static inline float one_bf16(uint16_t w) {
@@ -63,6 +58,8 @@ static inline v8f load8(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
+
+static inline v8f widen8_f32(const float *p) { return load8(p); }  /* nothing to widen */
 
 static inline float lanes(v8f v) {
     float s = 0.f;
