@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0, help="shorter prompts skip the prefill hop")
     p.add_argument("--pd-decode-prefill-chunk", type=int, default=None,
                    help="the decode replica's long_prefill_token_threshold (default 1)")
+    p.add_argument("--pd-prefill-chunk", type=int, default=None,
+                   help="the prefill replica's max_num_batched_tokens (default the engine's)")
     p.add_argument("--pd-decode-load-blocks", type=int, default=None,
                    help="the decode replica's max_loaded_blocks_per_step (default 16)")
     p.add_argument("--seed", type=int, default=0)
@@ -102,9 +104,10 @@ def configuration(name: str, args) -> tuple[EngineConfig, dict]:
     if name == "pd":
         decode = {k: v for k, v in (("long_prefill_token_threshold", args.pd_decode_prefill_chunk),
                                     ("max_loaded_blocks_per_step", args.pd_decode_load_blocks)) if v is not None}
+        prefill = {} if args.pd_prefill_chunk is None else {"max_num_batched_tokens": args.pd_prefill_chunk}
         return EngineConfig(**base, worker_cpus=half), dict(
             prefill_replicas=1, decode_replicas=1, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-            decode_config=decode)
+            decode_config=decode, prefill_config=prefill)
     if name == "two-replicas":
         return EngineConfig(**base, worker_cpus=half), dict(data_parallel_size=2, routing_policy="auto")
     tokens = int(name.removeprefix("colocated-"))

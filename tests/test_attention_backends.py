@@ -88,6 +88,34 @@ def test_cpu_backend_gives_the_torch_backends_output(layout, block_size, head_di
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# The kernel's vector path (head sizes 64 and 128) scores 16 tokens of a block at a time and sums
+# values for up to 4 (head size 128: 2) query heads of a KV head at once: query heads per KV head
+# of 1, 4, 5 and 7 take every tile size and a remainder; 32-token blocks hold two groups of 16,
+# and the context lengths end inside a group, on one's edge and inside a block's second group.
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (10, 2), (7, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_groups_of_heads_and_tokens(heads, block_size, head_dim, dtype):
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU decode kernel")
+    num_heads, num_kv_heads = heads
+    query_lens, cached_lens = [1, 1, 1, 1, 4], [0, 15, 47, 100, 60]
+    results = []
+    for name, run_dtype in (("torch", torch.float32), ("cpu", dtype)):
+        backend = kernels.get_backend(name, "cpu", run_dtype)
+        gen = torch.Generator().manual_seed(num_heads * block_size + head_dim)
+        cache, query, new_k, new_v, meta, _, _ = _random_batch(
+            gen, block_size, query_lens, cached_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, backend=backend)
+        cache, query, new_k, new_v = (t.to(dtype).to(run_dtype) for t in (cache, query, new_k, new_v))
+        backend.write_kv(new_k, new_v, cache, meta)
+        results.append(backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.125))
+    want, got = results
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("head_dim", [64, 12])
 def test_cpu_backend_on_a_bf16_cache_gives_the_fp32_result_of_the_same_values(layout, head_dim):

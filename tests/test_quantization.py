@@ -38,8 +38,10 @@ def test_the_int8_linear_equals_a_matmul_with_the_dequantized_weight(dtype, toke
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16", "f32"])  # bf16 layers and engine: tests/test_bf16.py
-@pytest.mark.parametrize("rows", [1, 3, 13, 16, 32])  # blocks of 8, 4, 2 and 1 rows
+# Activation rows four at a time, then 3, 2 or 1 (one row alone: its own loop)
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 13, 16, 32])
 @pytest.mark.parametrize("width", [64, 61])  # 61: a row's tail beyond the kernel's 8-wide pieces
+# 203 outputs: weight rows in tiles of 4 and a last tile of 3
 def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kind, rows, width):
     from kernels import cpu
 
@@ -48,24 +50,24 @@ def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kin
     torch.manual_seed(rows * width)
     x = torch.randn(rows, width)
     if kind == "int8":
-        q, scale = quantize_int8(torch.randn(200, width))
+        q, scale = quantize_int8(torch.randn(203, width))
         kernel, widened = (lambda x: cpu.int8_linear(x, q, scale)), q.float() * scale[:, None]
         assert cpu.int8_linear(x, q, scale.to(torch.bfloat16)) is None  # fp32 scales only
     elif kind == "bf16":
-        w = torch.randn(200, width).to(torch.bfloat16)
+        w = torch.randn(203, width).to(torch.bfloat16)
         kernel, widened = (lambda x: cpu.bf16_linear(x, w)), w.float()
         assert cpu.bf16_linear(x, w.float()) is None  # bf16 weights only
     else:
-        w = torch.randn(200, width)
+        w = torch.randn(203, width)
         kernel, widened = (lambda x: cpu.f32_linear(x, w)), w
         assert cpu.f32_linear(x, w.to(torch.bfloat16)) is None  # fp32 weights only
-        assert cpu.f32_linear(x[:1], torch.randn(width, 200).t()) is None  # a contiguous weight only
+        assert cpu.f32_linear(x[:1], torch.randn(width, 203).t()) is None  # a contiguous weight only
     max_rows = cpu.F32_GEMV_MAX_ROWS if kind == "f32" else cpu.GEMV_MAX_ROWS
     got = kernel(x)
     if rows > max_rows:  # where it does not apply, it says so and the caller takes a GEMM
         assert got is None
         return
-    assert got is not None and got.shape == (rows, 200) and got.dtype == torch.float32
+    assert got is not None and got.shape == (rows, 203) and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ widened.t(), rtol=1e-5, atol=1e-4)
     assert kernel(torch.randn(max_rows + 1, width)) is None
     assert kernel(x.to(torch.bfloat16)) is None

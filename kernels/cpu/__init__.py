@@ -92,12 +92,13 @@ def available() -> bool:
 
 
 _GEMV_SOURCE = Path(__file__).with_name("weight_gemv.c")
-# Up to this many rows the C kernels win (they read the weight once per 8 rows), on SmolLM2's
+# Up to this many rows the C kernels win (they read the weight once), on SmolLM2's
 # layers: int8 61 against 118 ms for widening at 16 rows, 112 against 150 at 32, and at 64 rows
 # widening the weight for one GEMM wins (198 against 214 ms); bf16 123 against 230 ms at 32.
 GEMV_MAX_ROWS = 32
-# fp32 weights compete with MKL's GEMM, which wins from ~24 rows (30 layers: 16 rows 51 against
-# 54 ms, 24 rows 71 against 67, 32 rows 115 against 85).
+# fp32 weights compete with MKL's GEMM, which wins from ~24-32 rows on 2 threads (30 layers,
+# tiled kernel against MKL: 16 rows 40.6 against 66.9 ms, 24 rows 51-52 against 52-65, 32 rows
+# 66-72 against 66-76, 48 rows 119 against 86; this machine's runs vary by ~20%).
 F32_GEMV_MAX_ROWS = 16
 
 

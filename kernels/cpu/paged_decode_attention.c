@@ -90,6 +90,139 @@ INLINE void weighted_values(float *o, const float *p, const void *kv, const int3
     }
 }
 
+/* The vector path, for head sizes that are a multiple of 16 (64 and 128 get their own copies).
+ * The scalar loops above ran at 9 GB/s on one core of this machine, which reads 37 GB/s, bound
+ * by latency: each score was a chain of 4 dependent FMAs and a horizontal sum. Here the 16
+ * tokens' partial dot products are independent, and one transpose-and-add folds all 16 into one
+ * vector of scores; the weighted sum keeps several query heads' accumulators in registers, so a
+ * V row is read once for all the heads that share it; the next block is prefetched. 4 decodes of
+ * 1,200 tokens, 30 layers of SmolLM2, one core: 23.9 -> 14.0 ms a step (9.3 -> 15.8 GB/s).
+ * GCC vector extensions: AVX-512 where the CPU has it, two AVX2 halves otherwise. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define MAX_D 128 /* the vector path's head sizes: 64 and 128 */
+
+INLINE v16f load16(const void *kv, int64_t i, const int bf16) {
+    v16f v;
+    if (!bf16) {
+        memcpy(&v, (const float *)kv + i, sizeof v);
+        return v;
+    }
+    v16h h;
+    memcpy(&h, (const uint16_t *)kv + i, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16); /* a bf16 is a float's upper half */
+}
+
+/* Lane j of the result is the sum of v[j]'s lanes: pairs interleaved within 128-bit chunks, then
+ * 64-bit pairs, then chunks (45 shuffles and adds for 16 sums). */
+INLINE v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+INLINE v16f sum16(const v16f *v) {
+    const v16i lo32 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const v16i hi32 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const v16i lo64 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i hi64 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i lo128 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i hi128 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    v16f quad[4];
+    for (int k = 0; k < 4; ++k) { /* quad[k] chunk c: sums of chunk c of v[4k..4k+3] */
+        const v16f *w = v + 4 * k;
+        quad[k] = pair_sum(pair_sum(w[0], w[1], lo32, hi32), pair_sum(w[2], w[3], lo32, hi32), lo64, hi64);
+    }
+    return pair_sum(pair_sum(quad[0], quad[1], lo128, hi128), pair_sum(quad[2], quad[3], lo128, hi128),
+                    lo128, hi128);
+}
+
+/* The next block's K (or V) lines, asked for while this block computes: a layer's block is a few
+ * KB of the cache, the next one a whole block's layers away, and the hardware's prefetcher
+ * stops at each page it has not seen. */
+INLINE void prefetch_block(const void *kv, const int32_t *table, int64_t b, int64_t len, int64_t offset,
+                           const Shape *sh, const int bf16) {
+    const int64_t t0 = b * sh->block_size;
+    if (t0 >= len) return;
+    const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+    const char *p = (const char *)kv + ((int64_t)table[b] * sh->s_block + offset) * (bf16 ? 2 : 4);
+    const int64_t bytes = n * sh->s_tok * (bf16 ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+INLINE void scores_vec(float *scores, const float *q, const void *kv, const int32_t *table,
+                       int64_t len, const Shape *sh, const int64_t D, const int bf16) {
+    const int64_t rep = sh->num_heads / sh->num_kv_heads;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
+        const int64_t block = (int64_t)table[b] * sh->s_block;
+        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+        prefetch_block(kv, table, b + 1, len, 0, sh, bf16);
+        for (int64_t i0 = 0; i0 < n; i0 += 16) { /* 16 tokens of the block at a time */
+            const int64_t m = n - i0 < 16 ? n - i0 : 16;
+            for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
+                const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
+                for (int64_t r = 0; r < rep; ++r, ++h) {
+                    v16f qv[MAX_D / 16], part[16];
+                    for (int64_t j = 0; j < D / 16; ++j) memcpy(&qv[j], q + h * D + 16 * j, sizeof qv[j]);
+                    for (int64_t i = 0; i < 16; ++i) {
+                        v16f p = {0};
+                        if (i < m)
+                            for (int64_t j = 0; j < D / 16; ++j) p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
+                        part[i] = p;
+                    }
+                    const v16f s = sum16(part) * sh->scale;
+                    if (m == 16) memcpy(scores + h * len + t0 + i0, &s, sizeof s);
+                    else for (int64_t i = 0; i < m; ++i) scores[h * len + t0 + i0 + i] = s[i];
+                }
+            }
+        }
+    }
+}
+
+/* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head: the
+ * RT x D/16 accumulators stay in registers, each V row is loaded once. */
+INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, int64_t n, int64_t s_tok,
+                        int64_t len, int64_t h0, const int RT, const int64_t D, const int bf16) {
+    v16f acc[4][MAX_D / 16]; /* fixed sizes: registers once RT and D are constants */
+    for (int r = 0; r < RT; ++r)
+        for (int64_t j = 0; j < D / 16; ++j) memcpy(&acc[r][j], o + (h0 + r) * D + 16 * j, sizeof acc[r][j]);
+    for (int64_t i = 0; i < n; ++i) {
+        v16f v[MAX_D / 16];
+        for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(kv, v0 + i * s_tok + 16 * j, bf16);
+        for (int r = 0; r < RT; ++r) {
+            const float w = p[(h0 + r) * len + i];
+            for (int64_t j = 0; j < D / 16; ++j) acc[r][j] += w * v[j];
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int64_t j = 0; j < D / 16; ++j) memcpy(o + (h0 + r) * D + 16 * j, &acc[r][j], sizeof acc[r][j]);
+}
+
+INLINE void values_vec(float *o, const float *p, const void *kv, const int32_t *table, int64_t len,
+                       const Shape *sh, const int64_t D, const int bf16) {
+    const int64_t rep = sh->num_heads / sh->num_kv_heads;
+    const int tile = D <= 64 ? 4 : 2; /* accumulators: at most 16 of the 32 vector registers */
+    for (int64_t d = 0; d < sh->num_heads * D; ++d) o[d] = 0.f;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
+        const int64_t block = (int64_t)table[b] * sh->s_block + sh->s_kv;
+        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+        prefetch_block(kv, table, b + 1, len, sh->s_kv, sh, bf16);
+        for (int64_t g = 0; g < sh->num_kv_heads; ++g) {
+            const int64_t v0 = block + g * sh->s_head;
+            for (int64_t r0 = 0; r0 < rep; r0 += tile) {
+                const int64_t h0 = g * rep + r0;
+                const float *pt = p + t0;
+                switch (rep - r0 < tile ? rep - r0 : tile) {
+                case 1: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 1, D, bf16); break;
+                case 2: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 2, D, bf16); break;
+                case 3: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 3, D, bf16); break;
+                default: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 4, D, bf16); break;
+                }
+            }
+        }
+    }
+}
+
 INLINE void softmax_rows(float *scores, int64_t rows, int64_t len) {
     for (int64_t h = 0; h < rows; ++h) {
         float *s = scores + h * len;
@@ -103,24 +236,26 @@ INLINE void softmax_rows(float *scores, int64_t rows, int64_t len) {
 }
 
 INLINE void attend(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
-                   float *scores, const Shape *sh, const int64_t D, const int bf16) {
-    scores_of(scores, q, kv, table, len, sh, D, bf16);
+                   float *scores, const Shape *sh, const int64_t D, const int bf16, const int vec) {
+    if (vec) scores_vec(scores, q, kv, table, len, sh, D, bf16);
+    else scores_of(scores, q, kv, table, len, sh, D, bf16);
     softmax_rows(scores, sh->num_heads, len);
-    weighted_values(o, scores, kv, table, len, sh, D, bf16);
+    if (vec) values_vec(o, scores, kv, table, len, sh, D, bf16);
+    else weighted_values(o, scores, kv, table, len, sh, D, bf16);
 }
 
 /* One sequence; the copies for head sizes 64 and 128 and each cache type. */
-#define ATTEND(NAME, D, BF16)                                                                    \
+#define ATTEND(NAME, D, BF16, VEC)                                                               \
     static void NAME(float *o, const float *q, const void *kv, const int32_t *table, int64_t len, \
                      float *scores, const Shape *sh, int64_t head_dim) {                         \
-        attend(o, q, kv, table, len, scores, sh, D, BF16);                                       \
+        attend(o, q, kv, table, len, scores, sh, D, BF16, VEC);                                  \
     }
-ATTEND(attend_f32_d64, 64, 0)
-ATTEND(attend_f32_d128, 128, 0)
-ATTEND(attend_f32_any, head_dim, 0)
-ATTEND(attend_bf16_d64, 64, 1)
-ATTEND(attend_bf16_d128, 128, 1)
-ATTEND(attend_bf16_any, head_dim, 1)
+ATTEND(attend_f32_d64, 64, 0, 1)
+ATTEND(attend_f32_d128, 128, 0, 1)
+ATTEND(attend_f32_any, head_dim, 0, 0)
+ATTEND(attend_bf16_d64, 64, 1, 1)
+ATTEND(attend_bf16_d128, 128, 1, 1)
+ATTEND(attend_bf16_any, head_dim, 1, 0)
 
 typedef void (*attend_fn)(float *, const float *, const void *, const int32_t *, int64_t, float *,
                           const Shape *, int64_t);
