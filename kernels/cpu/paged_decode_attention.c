@@ -96,7 +96,8 @@ INLINE void weighted_values(float *o, const float *p, const void *kv, const int3
  * tokens' partial dot products are independent, and one transpose-and-add folds all 16 into one
  * vector of scores; the weighted sum keeps several query heads' accumulators in registers, so a
  * V row is read once for all the heads that share it; the next block is prefetched. 4 decodes of
- * 1,200 tokens, 30 layers of SmolLM2, one core: 23.9 -> 14.0 ms a step (9.3 -> 15.8 GB/s).
+ * 1,200 tokens, 30 layers of SmolLM2, one core: 23.9 -> 14.0 ms a step (9.3 -> 15.8 GB/s), with
+ * scores and values still in two passes (attend_vec below does one).
  * GCC vector extensions: AVX-512 where the CPU has it, two AVX2 halves otherwise. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -150,35 +151,6 @@ INLINE void prefetch_block(const void *kv, const int32_t *table, int64_t b, int6
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-INLINE void scores_vec(float *scores, const float *q, const void *kv, const int32_t *table,
-                       int64_t len, const Shape *sh, const int64_t D, const int bf16) {
-    const int64_t rep = sh->num_heads / sh->num_kv_heads;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
-        const int64_t block = (int64_t)table[b] * sh->s_block;
-        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
-        prefetch_block(kv, table, b + 1, len, 0, sh, bf16);
-        for (int64_t i0 = 0; i0 < n; i0 += 16) { /* 16 tokens of the block at a time */
-            const int64_t m = n - i0 < 16 ? n - i0 : 16;
-            for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
-                const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
-                for (int64_t r = 0; r < rep; ++r, ++h) {
-                    v16f qv[MAX_D / 16], part[16];
-                    for (int64_t j = 0; j < D / 16; ++j) memcpy(&qv[j], q + h * D + 16 * j, sizeof qv[j]);
-                    for (int64_t i = 0; i < 16; ++i) {
-                        v16f p = {0};
-                        if (i < m)
-                            for (int64_t j = 0; j < D / 16; ++j) p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
-                        part[i] = p;
-                    }
-                    const v16f s = sum16(part) * sh->scale;
-                    if (m == 16) memcpy(scores + h * len + t0 + i0, &s, sizeof s);
-                    else for (int64_t i = 0; i < m; ++i) scores[h * len + t0 + i0 + i] = s[i];
-                }
-            }
-        }
-    }
-}
-
 /* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head: the
  * RT x D/16 accumulators stay in registers, each V row is loaded once. */
 INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, int64_t n, int64_t s_tok,
@@ -198,28 +170,73 @@ INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, in
         for (int64_t j = 0; j < D / 16; ++j) memcpy(o + (h0 + r) * D + 16 * j, &acc[r][j], sizeof acc[r][j]);
 }
 
-INLINE void values_vec(float *o, const float *p, const void *kv, const int32_t *table, int64_t len,
-                       const Shape *sh, const int64_t D, const int bf16) {
-    const int64_t rep = sh->num_heads / sh->num_kv_heads;
+/* One pass (the vector path): block by block, the block's scores for every head, then the
+ * running softmax (each head's maximum and sum so far; its accumulated output rescaled when the
+ * maximum grows), then the block's values. A block's K and V lie next to each other in the
+ * cache, so the sequence's K/V is read once, front to back, and the scores never leave L1. (All
+ * scores first, then all values, measured 8% slower: 18.5 against 17.1 ms for 4 x 1,200 tokens,
+ * 46.0 against 43.7 for 32 x 300, interleaved runs.) `scores`: room for num_heads x block_size
+ * floats. */
+INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
+                       float *scores, const Shape *sh, const int64_t D, const int bf16) {
+    const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
     const int tile = D <= 64 ? 4 : 2; /* accumulators: at most 16 of the 32 vector registers */
-    for (int64_t d = 0; d < sh->num_heads * D; ++d) o[d] = 0.f;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += sh->block_size, ++b) {
-        const int64_t block = (int64_t)table[b] * sh->s_block + sh->s_kv;
-        const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
+    float mx[H], sum[H];
+    for (int64_t h = 0; h < H; ++h) mx[h] = -3.0e38f, sum[h] = 0.f; /* finite: see softmax_rows */
+    for (int64_t d = 0; d < H * D; ++d) o[d] = 0.f;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+        const int64_t block = (int64_t)table[b] * sh->s_block;
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        prefetch_block(kv, table, b + 1, len, 0, sh, bf16);
         prefetch_block(kv, table, b + 1, len, sh->s_kv, sh, bf16);
-        for (int64_t g = 0; g < sh->num_kv_heads; ++g) {
-            const int64_t v0 = block + g * sh->s_head;
-            for (int64_t r0 = 0; r0 < rep; r0 += tile) {
-                const int64_t h0 = g * rep + r0;
-                const float *pt = p + t0;
-                switch (rep - r0 < tile ? rep - r0 : tile) {
-                case 1: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 1, D, bf16); break;
-                case 2: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 2, D, bf16); break;
-                case 3: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 3, D, bf16); break;
-                default: values_tile(o, pt, kv, v0, n, sh->s_tok, len, h0, 4, D, bf16); break;
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t m = n - i0 < 16 ? n - i0 : 16;
+            for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
+                const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
+                for (int64_t r = 0; r < rep; ++r, ++h) {
+                    v16f qv[MAX_D / 16], part[16];
+                    for (int64_t j = 0; j < D / 16; ++j) memcpy(&qv[j], q + h * D + 16 * j, sizeof qv[j]);
+                    for (int64_t i = 0; i < 16; ++i) {
+                        v16f p = {0};
+                        if (i < m)
+                            for (int64_t j = 0; j < D / 16; ++j) p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
+                        part[i] = p;
+                    }
+                    const v16f sc = sum16(part) * sh->scale;
+                    for (int64_t i = 0; i < m; ++i) scores[h * bs + i0 + i] = sc[i];
                 }
             }
         }
+        for (int64_t h = 0; h < H; ++h) {
+            float *s = scores + h * bs, bmax = mx[h];
+            for (int64_t i = 0; i < n; ++i) bmax = s[i] > bmax ? s[i] : bmax;
+            if (bmax > mx[h]) { /* earlier terms shrink by exp(old - new) */
+                const float c = expf(mx[h] - bmax);
+                sum[h] *= c;
+                for (int64_t d = 0; d < D; ++d) o[h * D + d] *= c;
+                mx[h] = bmax;
+            }
+            float add = 0.f;
+#pragma omp simd reduction(+ : add)
+            for (int64_t i = 0; i < n; ++i) { s[i] = expf(s[i] - bmax); add += s[i]; }
+            sum[h] += add;
+        }
+        for (int64_t g = 0; g < sh->num_kv_heads; ++g) {
+            const int64_t v0 = block + sh->s_kv + g * sh->s_head;
+            for (int64_t r0 = 0; r0 < rep; r0 += tile) {
+                const int64_t h0 = g * rep + r0;
+                switch (rep - r0 < tile ? rep - r0 : tile) {
+                case 1: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 1, D, bf16); break;
+                case 2: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 2, D, bf16); break;
+                case 3: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 3, D, bf16); break;
+                default: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 4, D, bf16); break;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / sum[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
     }
 }
 
@@ -237,11 +254,13 @@ INLINE void softmax_rows(float *scores, int64_t rows, int64_t len) {
 
 INLINE void attend(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
                    float *scores, const Shape *sh, const int64_t D, const int bf16, const int vec) {
-    if (vec) scores_vec(scores, q, kv, table, len, sh, D, bf16);
-    else scores_of(scores, q, kv, table, len, sh, D, bf16);
+    if (vec) {
+        attend_vec(o, q, kv, table, len, scores, sh, D, bf16);
+        return;
+    }
+    scores_of(scores, q, kv, table, len, sh, D, bf16);
     softmax_rows(scores, sh->num_heads, len);
-    if (vec) values_vec(o, scores, kv, table, len, sh, D, bf16);
-    else weighted_values(o, scores, kv, table, len, sh, D, bf16);
+    weighted_values(o, scores, kv, table, len, sh, D, bf16);
 }
 
 /* One sequence; the copies for head sizes 64 and 128 and each cache type. */
@@ -267,7 +286,8 @@ static void paged_decode_attention(float *out, const float *query, const void *k
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = context_lens[s];
-        float *scores = (float *)malloc(sizeof(float) * sh->num_heads * len); /* [H, len] */
+        /* [H, len] (the vector path uses [H, block_size] of it) */
+        float *scores = (float *)malloc(sizeof(float) * sh->num_heads * (len > sh->block_size ? len : sh->block_size));
         fn(out + s * sh->num_heads * head_dim, query + s * sh->num_heads * head_dim, kv,
            block_tables + s * max_blocks, len, scores, sh, head_dim);
         free(scores);
