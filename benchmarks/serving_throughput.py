@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     workload.add_workload_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--cpu-threads-bind", default="auto", help="the engines' cpu_threads_bind (auto, nobind)")
     p.add_argument("--server-start-timeout", type=float, default=300.0)
     p.add_argument("--result-json", default="benchmarks/results/serving_throughput.json")
     return workload.check_workload_args(p, p.parse_args(argv))
@@ -51,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_flags(args) -> dict:
     return dict(model=workload.MODEL, dtype=args.dtype, block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                cpu_threads_bind=args.cpu_threads_bind)
 
 
 # ---- offline -------------------------------------------------------------------------------------
