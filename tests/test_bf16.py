@@ -30,6 +30,24 @@ def test_a_bf16_linear_layer_gives_torchs_bf16_result(tokens):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=2 ** -7, atol=2 ** -6)
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 5, 130])
+def test_with_native_bf16_a_few_rows_take_the_c_kernel_and_more_take_torchs_bf16_gemm(tokens, monkeypatch):
+    """Where the CPU multiplies bf16 natively (routing forced here whatever this CPU is): up to
+    NATIVE_BF16_KERNEL_ROWS rows on the C kernel, more on torch's bf16 F.linear; both torch's
+    bf16 result to its rounding."""
+    monkeypatch.setattr(llama, "WIDEN_BF16", False)
+    calls = []
+    kernel = llama.bf16_linear
+    monkeypatch.setattr(llama, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w, bias = torch.randn(48, 64).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
+    got = llama.linear(x, w, bias)
+    assert calls == ([tokens] if tokens <= llama.NATIVE_BF16_KERNEL_ROWS else [])
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 48)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=2 ** -7, atol=2 ** -6)
+
+
 def test_a_bf16_engine_computes_what_transformers_computes_in_bf16(tiny_llama):
     from transformers import AutoModelForCausalLM
 

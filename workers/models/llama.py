@@ -35,10 +35,21 @@ def _native_cpu_bf16() -> bool:
 # against 57 ms for the C kernel at 16 rows, 784 against 259 ms for a widened fp32 GEMM at 64,
 # 25.3 against 3.9 s at 2048. bf16 weights then take those paths, in fp32, rounded to bf16 after.
 WIDEN_BF16 = not _native_cpu_bf16()
+# With native bf16, torch's bf16 GEMM is fast, but not at a decode's few rows, and there its
+# weight-major order (SKINNY_TOKENS, measured for fp32) is slower than x @ W^T. SmolLM2's 30 layers,
+# 2 cores with AVX512-BF16, the C kernel / F.linear / weight-major torch.mm: 1 row 8.5 / 14.4 /
+# 14.6 ms, 4 rows 8.2 / 15.0 / 22.6, 8 rows 16.0 / 14.5 / 22.3, 16 rows 30.3 / 17.4 / 23.9.
+NATIVE_BF16_KERNEL_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dtype == torch.bfloat16 and not WIDEN_BF16 and x.device.type == "cpu":
+        out = bf16_linear(x.float(), weight) if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
+        if out is None:
+            return F.linear(x, weight, bias)
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias
     if weight.dtype == torch.bfloat16 and WIDEN_BF16 and x.device.type == "cpu":
         x32 = x.float()
         out = bf16_linear(x32, weight)  # a few rows: the C kernel reads the bf16 rows as they are
