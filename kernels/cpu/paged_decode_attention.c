@@ -6,8 +6,9 @@
  *
  * The loops walk blocks, then tokens, then KV heads, then the query heads sharing one: no
  * division in them (an int64 divide per token and head cost more than the arithmetic). Head
- * sizes 64 and 128 get their own copy with the size fixed at compile time, so that a K row and
- * the output accumulators stay in vector registers; other sizes run the same loops generically.
+ * sizes 64 and 128 get their own copy of the vector path (attend_vec) with the size fixed at
+ * compile time, so that K rows and the output accumulators stay in vector registers; other sizes
+ * run the scalar loops (scores_of, softmax_rows, weighted_values) generically.
  *
  * The cache holds fp32 or bf16 (`kv_bf16`); queries, scores and sums are fp32 either way, a bf16
  * element widened exactly as it is read, so a bf16 cache costs half the bytes and no precision
@@ -151,10 +152,11 @@ INLINE void prefetch_block(const void *kv, const int32_t *table, int64_t b, int6
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-/* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head: the
- * RT x D/16 accumulators stay in registers, each V row is loaded once. */
+/* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head (head
+ * h's weights at p + h * p_stride): the RT x D/16 accumulators stay in registers, each V row is
+ * loaded once. */
 INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, int64_t n, int64_t s_tok,
-                        int64_t len, int64_t h0, const int RT, const int64_t D, const int bf16) {
+                        int64_t p_stride, int64_t h0, const int RT, const int64_t D, const int bf16) {
     v16f acc[4][MAX_D / 16]; /* fixed sizes: registers once RT and D are constants */
     for (int r = 0; r < RT; ++r)
         for (int64_t j = 0; j < D / 16; ++j) memcpy(&acc[r][j], o + (h0 + r) * D + 16 * j, sizeof acc[r][j]);
@@ -162,7 +164,7 @@ INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, in
         v16f v[MAX_D / 16];
         for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(kv, v0 + i * s_tok + 16 * j, bf16);
         for (int r = 0; r < RT; ++r) {
-            const float w = p[(h0 + r) * len + i];
+            const float w = p[(h0 + r) * p_stride + i];
             for (int64_t j = 0; j < D / 16; ++j) acc[r][j] += w * v[j];
         }
     }

@@ -44,15 +44,14 @@ NATIVE_BF16_KERNEL_ROWS = 4
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.dtype == torch.bfloat16 and not WIDEN_BF16 and x.device.type == "cpu":
-        out = bf16_linear(x.float(), weight) if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
-        if out is None:
+    if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # A few rows: the C kernel reads the bf16 rows as they are (up to NATIVE_BF16_KERNEL_ROWS
+        # where the CPU has native bf16). More: torch's bf16 GEMM where it is native, else the
+        # weight widened for one fp32 GEMM; the result rounded to bf16 either way.
+        x32 = x.float() if WIDEN_BF16 or x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
+        out = None if x32 is None else bf16_linear(x32, weight)
+        if out is None and not WIDEN_BF16:
             return F.linear(x, weight, bias)
-        out = out.to(x.dtype)
-        return out if bias is None else out + bias
-    if weight.dtype == torch.bfloat16 and WIDEN_BF16 and x.device.type == "cpu":
-        x32 = x.float()
-        out = bf16_linear(x32, weight)  # a few rows: the C kernel reads the bf16 rows as they are
         if out is None:
             out = linear(x32, weight.float())
         out = out.to(x.dtype)
