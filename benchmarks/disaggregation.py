@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation, measured: do long prompts arriving mid-stream still stall the
 tokens of running decodes when a prefill replica computes them and hands their KV over?
 
-One workload, the same for every configuration: `--num-decodes` greedy decodes (prompts of 32
-seeded token ids, EOS ignored) stream for `--window` seconds and are then cancelled, while long
+One workload, the same for every configuration: `--num-decodes` slots of greedy decodes (prompts of
+32 seeded token ids, `--decode-tokens` output tokens each, EOS ignored; a slot starts its next
+decode when one ends) stream for `--window` seconds and are then cancelled, while long
 prompts (`--long-min`..`--long-max` seeded token ids, 8 output tokens each) arrive as a Poisson
 process at each of `--rates` per second during the window (the same prompts at the same times for
 every configuration); then every long prompt is waited for. Configurations, each its own
@@ -57,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf file")
     p.add_argument("--num-decodes", type=int, default=4)
-    p.add_argument("--decode-tokens", type=int, default=4096,
-                   help="most output tokens of each decode (they are cancelled at the window's end)")
+    p.add_argument("--decode-tokens", type=int, default=256,
+                   help="output tokens of each decode; a finished decode's slot starts the next one")
     p.add_argument("--window", type=float, default=60.0, help="seconds the decodes run and long prompts arrive")
     p.add_argument("--long-min", type=int, default=1024, help="fewest tokens of a long prompt")
     p.add_argument("--long-max", type=int, default=2048, help="most tokens of a long prompt")
@@ -124,7 +125,6 @@ async def run_rate(target: str, rate: float, rate_index: int, args) -> dict:
     long prompts arrive; then every long prompt is waited for. The prompts and arrival times
     depend on the seed and the rate's index only: the same for every configuration."""
     rng = random.Random(args.seed * 1000 + rate_index)
-    decode_prompts = [ids(rng, 32) for _ in range(args.num_decodes)]
     arrivals, t = [], rng.expovariate(rate)
     while t < args.window:
         arrivals.append((t, ids(rng, rng.randint(args.long_min, args.long_max))))
@@ -148,12 +148,21 @@ async def run_rate(target: str, rate: float, rate_index: int, args) -> dict:
                     break  # the window is over: cancel the stream (the server aborts it)
             return {"prompt": len(prompt), "tokens": tokens, "ttft": ttft, "gaps": gaps, "done": last}
 
-        decodes = [asyncio.ensure_future(stream(p, args.decode_tokens, end)) for p in decode_prompts]
+        async def decode_slot(slot: int) -> list[dict]:
+            """Decodes of `--decode-tokens` back to back until the window ends (the last one is
+            cancelled then), so that a few decodes always run with short contexts."""
+            runs = []
+            while time.perf_counter() < end:
+                prompt = ids(random.Random(f"{args.seed}/{rate_index}/{slot}/{len(runs)}"), 32)
+                runs.append(await stream(prompt, args.decode_tokens, end))
+            return runs
+
+        decodes = [asyncio.ensure_future(decode_slot(slot)) for slot in range(args.num_decodes)]
         longs = []
         for at, prompt in arrivals:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             longs.append(asyncio.ensure_future(stream(prompt, 8)))
-        decoded = list(await asyncio.gather(*decodes))
+        decoded = [run for runs in await asyncio.gather(*decodes) for run in runs]
         longs = list(await asyncio.gather(*longs))
         after = await client.stats()
     return summarize(decoded, longs, start, args.window, before, after)

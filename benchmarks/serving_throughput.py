@@ -56,6 +56,12 @@ def engine_flags(args) -> dict:
                 cpu_threads_bind=args.cpu_threads_bind)
 
 
+# Where the wall time went, from the engine's own counters: its steps (scheduling, the executor,
+# output processing) and, within them, rank 0's compute. Wall time outside the steps is the engine
+# loop waiting (for requests, or for its thread to be scheduled).
+BREAKDOWN = ("step_duration_seconds_sum", "worker_compute_seconds")
+
+
 # ---- offline -------------------------------------------------------------------------------------
 def run_offline(args, requests, flags: dict | None = None) -> dict:
     """Greedy tokens of every request through `LLM.generate`, timed, with the engine's stats;
@@ -63,6 +69,7 @@ def run_offline(args, requests, flags: dict | None = None) -> dict:
     llm = LLM(**(flags or engine_flags(args)))
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
                  use_tqdm=False)  # first-call costs
+    before = llm.stats()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     with workload.Stopwatch() as watch:
@@ -71,7 +78,8 @@ def run_offline(args, requests, flags: dict | None = None) -> dict:
     llm.shutdown()
     del llm
     gc.collect()
-    return {"watch": watch, "outputs": [list(o.outputs[0].token_ids) for o in outs], "stats": stats}
+    return {"watch": watch, "outputs": [list(o.outputs[0].token_ids) for o in outs], "stats": stats,
+            "spent": {key: stats[key] - before[key] for key in BREAKDOWN}}
 
 
 # ---- served --------------------------------------------------------------------------------------
@@ -106,10 +114,11 @@ def run_served(args, requests) -> dict:
     finally:
         server.stop()  # Ctrl-C, as a user stops it
     steps = int(stats["num_steps"] - before["num_steps"])
+    spent = {key: stats[key] - before[key] for key in BREAKDOWN}
     overhead_us = ((stats["executor_overhead_us_per_step"] * stats["num_steps"]
                     - before["executor_overhead_us_per_step"] * before["num_steps"]) / max(1, steps))
     return {"watch": watch, "outputs": outputs, "stats": stats, "startup_s": startup_s,
-            "steps": steps, "executor_overhead_us_per_step": overhead_us}
+            "steps": steps, "executor_overhead_us_per_step": overhead_us, "spent": spent}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -123,7 +132,7 @@ def main(argv=None) -> None:
     rows = {}
     for name, res in (("offline", offline), ("served", served)):
         seconds = res["watch"].seconds
-        rows[name] = {"seconds": seconds, "other_cpu_share": res["watch"].other_cpu_share,
+        rows[name] = {"seconds": seconds, "other_cpu_share": res["watch"].other_cpu_share, **res["spent"],
                       "total_tokens_per_s": (prompt + generated) / seconds,
                       "generated_tokens_per_s": generated / seconds}
     result = {
@@ -143,6 +152,8 @@ def main(argv=None) -> None:
         share = "n/a" if r["other_cpu_share"] is None else f"{100 * r['other_cpu_share']:.1f}%"
         print(f"  {name:8s} {r['seconds']:8.2f} s  {r['total_tokens_per_s']:8.1f} tok/s total  "
               f"{r['generated_tokens_per_s']:7.1f} gen tok/s  (other processes' CPU {share})")
+        print(f"           in engine steps {r['step_duration_seconds_sum']:.2f} s, of which rank 0 computed "
+              f"{r['worker_compute_seconds']:.2f} s")
     print(f"  served / offline throughput: {result['served_over_offline']:.3f}")
     print(f"  identical greedy outputs: {result['identical_outputs']} of {len(requests)}")
     print(f"  executor overhead per step: served {result['executor_overhead_us_per_step']:.0f} us "

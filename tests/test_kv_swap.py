@@ -8,6 +8,8 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -117,6 +119,32 @@ def test_the_segment_is_owner_only_and_bad_requests_change_nothing():
     finally:
         store.close()
     assert not os.path.exists(f"/dev/shm/{store.layout.segment}")
+
+
+def test_the_segment_gets_its_memory_in_the_background_and_keeps_what_was_written():
+    block_bytes = 256 << 10
+    store = KVStore(num_blocks=64, tp_size=1, block_bytes=block_bytes)  # 16 MiB of blocks
+    try:
+        cache = torch.full((2, block_bytes // 4), 7.0)
+        space = ShmSwapSpace(store.layout, rank=0, kv_cache=cache)
+        space.swap_out([(0, 40), (1, 63)])  # a worker writes while the store touches its pages
+        segment = f"/dev/shm/{store.layout.segment}"
+        deadline = time.monotonic() + 30
+        while os.stat(segment).st_blocks * 512 < store.layout.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.stat(segment).st_blocks * 512 >= store.layout.size  # every page has its memory
+        space.close()
+        out = torch.zeros_like(cache)
+        reader = ShmSwapSpace(store.layout, rank=0, kv_cache=out)
+        assert reader.swap_in([(40, 1), (63, 0)]) == []  # checksums hold: nothing was overwritten
+        assert (out == 7.0).all()
+        reader.close()
+    finally:
+        store.close()
+    touching = [t for t in threading.enumerate() if t.name == "kvstore-touch"]
+    for thread in touching:
+        thread.join(5)
+    assert not any(t.is_alive() for t in touching)
 
 
 @pytest.mark.parametrize("transport, kind", [("shm", ShmSwapSpace), ("grpc", GrpcSwapSpace)])
