@@ -284,12 +284,15 @@ typedef void (*attend_fn)(float *, const float *, const void *, const int32_t *,
 static void paged_decode_attention(float *out, const float *query, const void *kv,
                                    const int32_t *block_tables, const int32_t *context_lens,
                                    int64_t num_seqs, int64_t head_dim, int64_t max_blocks,
-                                   const Shape *sh, attend_fn fn, int num_threads) {
+                                   const Shape *sh, attend_fn fn, int vec, int num_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t len = context_lens[s];
-        /* [H, len] (the vector path uses [H, block_size] of it) */
-        float *scores = (float *)malloc(sizeof(float) * sh->num_heads * (len > sh->block_size ? len : sh->block_size));
+        /* The vector path keeps one block's scores, [H, block_size]; the scalar loops all of
+         * them, [H, len]. (Sized by the context for both, SmolLM2's 9 heads at 32k tokens took
+         * 1.2 MB a sequence and layer where the vector path uses 576 bytes.) */
+        const int64_t tokens = vec || len < sh->block_size ? sh->block_size : len;
+        float *scores = (float *)malloc(sizeof(float) * sh->num_heads * tokens);
         fn(out + s * sh->num_heads * head_dim, query + s * sh->num_heads * head_dim, kv,
            block_tables + s * max_blocks, len, scores, sh, head_dim);
         free(scores);
@@ -304,8 +307,9 @@ void paged_decode_attention_f32(float *out, const float *query, const void *kv,
                                 int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head,
                                 float scale, int num_threads, int kv_bf16) {
     const Shape sh = {num_heads, num_kv_heads, block_size, s_block, s_kv, s_tok, s_head, scale};
+    const int vec = head_dim == 64 || head_dim == 128;
     attend_fn fn = kv_bf16 ? (head_dim == 64 ? attend_bf16_d64 : head_dim == 128 ? attend_bf16_d128 : attend_bf16_any)
                            : (head_dim == 64 ? attend_f32_d64 : head_dim == 128 ? attend_f32_d128 : attend_f32_any);
     paged_decode_attention(out, query, kv, block_tables, context_lens, num_seqs, head_dim, max_blocks, &sh, fn,
-                           num_threads);
+                           vec, num_threads);
 }
