@@ -168,14 +168,24 @@ def test_a_worker_fault_in_one_replica_is_recovered_inside_it(ray_session, tiny_
 
         async def run():
             async with pagedserve.AsyncClient(target, timeout=120) as client:
-                streams = [asyncio.create_task(client.generate(p, max_tokens=40, temperature=0.0, ignore_eos=True))
-                           for p in prompts]
-                await asyncio.sleep(0.5)
+                flowing = asyncio.Event()
+
+                async def tokens(prompt):
+                    out = []
+                    async for chunk in client.stream(prompt, max_tokens=40, temperature=0.0, ignore_eos=True):
+                        out += chunk.token_ids
+                        flowing.set()
+                    return out
+
+                streams = [asyncio.create_task(tokens(p)) for p in prompts]
+                # Killed once tokens flow, so the kill lands mid-generation however fast the
+                # machine is (a fixed sleep let a fast run finish all 40 tokens first).
+                await flowing.wait()
                 os.kill(victim[0], signal.SIGKILL)
                 return await asyncio.gather(*streams)
 
         got = asyncio.run(run())
-        assert [list(c.token_ids) for c in got] == expected
+        assert got == expected
         with pagedserve.Client(target, timeout=60) as client:
             stats = _wait_idle(client)
             assert client.health()
