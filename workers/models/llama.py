@@ -50,9 +50,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # weight widened for one fp32 GEMM; the result rounded to bf16 either way.
         x32 = x.float() if WIDEN_BF16 or x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
         out = None if x32 is None else bf16_linear(x32, weight)
-        if out is None and not WIDEN_BF16:
-            return F.linear(x, weight, bias)
         if out is None:
+            if not WIDEN_BF16:
+                return F.linear(x, weight, bias)
             out = linear(x32, weight.float())
         out = out.to(x.dtype)
         return out if bias is None else out + bias
