@@ -1,7 +1,7 @@
 """The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
 system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
 linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`,
-kernels/cpu/weight_gemv.c) and the decoder layer's fp32 element-wise steps (`add_rms_norm`,
+kernels/cpu/weight_gemv.c) and the decoder layer's fp32 and bf16 element-wise steps (`add_rms_norm`,
 `silu_mul`, `rope`, kernels/cpu/elementwise.c) and the OpenMP thread pinning of
 `cpu_threads_bind` (`pin_omp_threads`, kernels/cpu/threads.c), built the same way.
 
@@ -163,57 +163,84 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def bf16_dot_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T for bf16 `x` [rows, in] with rows <= GEMV_MAX_ROWS and a bf16 `weight` [out, in],
+    on AVX512-BF16's bf16 dot products (summed in fp32, the result rounded to bf16); None where
+    the kernel does not apply, did not build, or the CPU lacks the instruction."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[0] > GEMV_MAX_ROWS:
+        return None
+    lib = _library(_GEMV_SOURCE, "bf16_gemv_bf16", (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
+    if lib is None:
+        return None
+    lib.bf16_gemv_bf16.restype = ctypes.c_int
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    done = lib.bf16_gemv_bf16(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], weight.shape[0],
+                              weight.shape[1], torch.get_num_threads())
+    return out if done else None
+
+
 _ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ELEMENTWISE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _elementwise(name: str, argtypes: tuple, *tensors: torch.Tensor):
+    """The C function `name`_f32 or `name`_bf16 for CPU tensors all of one of those dtypes; None
+    where they are not, or where the kernels did not build."""
+    dtype = tensors[0].dtype
+    suffix = _ELEMENTWISE_SUFFIX.get(dtype)
+    if suffix is None or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    symbol = f"{name}_{suffix}"
+    lib = _library(_ELEMENTWISE_SOURCE, symbol, argtypes)
+    return None if lib is None else getattr(lib, symbol)
 
 
 def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """RMSNorm of `residual + delta` (the decoder's residual stream), in one pass: `residual`
-    [rows, dim] contiguous fp32 becomes the sum, in place (with no `delta`, it stays), and the
-    normed rows come back. None where the kernel does not apply or did not build."""
-    if not (residual.is_contiguous() and weight.is_contiguous() and _fp32_cpu(residual, weight)
-            and (delta is None or _fp32_cpu(delta))):
+    [rows, dim] contiguous becomes the sum, in place (with no `delta`, it stays), and the normed
+    rows come back. fp32, or bf16 rounded as torch's bf16 ops round. None where the kernel does
+    not apply or did not build."""
+    if not (residual.is_contiguous() and weight.is_contiguous()):
         return None
-    lib = _library(_ELEMENTWISE_SOURCE, "add_rms_norm_f32",
-                   (_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int))
-    if lib is None:
+    fn = _elementwise("add_rms_norm", (_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int),
+                      residual, weight, *(() if delta is None else (delta,)))
+    if fn is None:
         return None
     rows, dim = residual.shape
     out = torch.empty_like(residual)
     d_ptr, (d_row, d_col) = (None, (0, 0)) if delta is None else (delta.data_ptr(), delta.stride())
-    lib.add_rms_norm_f32(residual.data_ptr(), d_ptr, d_row, d_col, weight.data_ptr(), out.data_ptr(),
-                         rows, dim, eps, torch.get_num_threads())
+    fn(residual.data_ptr(), d_ptr, d_row, d_col, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+       torch.get_num_threads())
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for the gate/up projection's fp32 output [rows, 2 * inter] (any strides),
-    into a new contiguous [rows, inter]; None where the kernel does not apply or did not build."""
-    if not _fp32_cpu(gate_up):
-        return None
-    lib = _library(_ELEMENTWISE_SOURCE, "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int))
-    if lib is None:
+    """silu(gate) * up for the gate/up projection's output [rows, 2 * inter] (any strides, fp32 or
+    bf16), into a new contiguous [rows, inter]; None where the kernel does not apply or did not
+    build."""
+    fn = _elementwise("silu_mul", (_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int), gate_up)
+    if fn is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
-    lib.silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), *gate_up.stride(), rows, inter, torch.get_num_threads())
+    fn(out.data_ptr(), gate_up.data_ptr(), *gate_up.stride(), rows, inter, torch.get_num_threads())
     return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """Rotary embedding of fp32 `x` [rows, heads, dim] (any strides) with `cos`/`sin` [rows, 1,
-    dim] contiguous, into a new contiguous tensor (transformers' rotate_half form); None where
-    the kernel does not apply or did not build."""
-    if not (cos.is_contiguous() and sin.is_contiguous() and _fp32_cpu(x, cos, sin)):
+    """Rotary embedding of `x` [rows, heads, dim] (any strides) with `cos`/`sin` [rows, 1, dim]
+    contiguous, all fp32 or all bf16, into a new contiguous tensor (transformers' rotate_half
+    form); None where the kernel does not apply or did not build."""
+    if not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    lib = _library(_ELEMENTWISE_SOURCE, "rope_f32", (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
-                                                    ctypes.c_int))
-    if lib is None:
+    fn = _elementwise("rope", (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int), x, cos, sin)
+    if fn is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rope_f32(out.data_ptr(), x.data_ptr(), *x.stride(), cos.data_ptr(), sin.data_ptr(), *x.shape,
-                 torch.get_num_threads())
+    fn(out.data_ptr(), x.data_ptr(), *x.stride(), cos.data_ptr(), sin.data_ptr(), *x.shape, torch.get_num_threads())
     return out
 
 
@@ -260,6 +287,7 @@ class CpuMetadata:
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32, contiguous
     decode_context_lens: torch.Tensor  # [D] int32
     backend: CpuBackend
+    only_decodes: bool = False  # every row of the step is a decode row, in order (no prefill work)
 
 
 # Chunks over cached context of up to this many tokens (speculative drafts, a P/D decode
@@ -298,12 +326,18 @@ class CpuBackend:
         rows = starts[per_row] + offset
         lens = context_lens[per_row] - query_lens[per_row] + 1 + offset
         return CpuMetadata(prefills, rows, block_tables[per_row].to(torch.int32).contiguous(),
-                           lens.to(torch.int32).contiguous(), self)
+                           lens.to(torch.int32).contiguous(), self,
+                           only_decodes=not groups and rows.numel() == int(query_lens.sum()))
 
     def write_kv(self, key, value, kv_cache, meta: CpuMetadata) -> None:
         reference.write_kv(key, value, kv_cache, meta.prefills)
 
     def paged_attention(self, query, key, value, kv_cache, meta: CpuMetadata, scale: float) -> torch.Tensor:
+        if meta.only_decodes:  # the kernel's rows are the step's rows: no gather, no scatter
+            o = torch.empty(query.shape, dtype=torch.float32)
+            decode_attention(o, query.float().contiguous(), kv_cache, meta.decode_block_tables,
+                             meta.decode_context_lens, scale)
+            return o.to(query.dtype)
         out = self._torch.paged_attention(query, key, value, kv_cache, meta.prefills, scale)
         if meta.decode_rows.numel():
             # fp32 queries and results whatever the cache holds: the kernel sums in fp32.

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import add_rms_norm, bf16_linear, f32_linear, int8_linear, rope, silu_mul
+from kernels.cpu import add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear, int8_linear, rope, silu_mul
 from workers.parallel import TensorParallel
 
 
@@ -35,24 +35,64 @@ def _native_cpu_bf16() -> bool:
 # against 57 ms for the C kernel at 16 rows, 784 against 259 ms for a widened fp32 GEMM at 64,
 # 25.3 against 3.9 s at 2048. bf16 weights then take those paths, in fp32, rounded to bf16 after.
 WIDEN_BF16 = not _native_cpu_bf16()
-# With native bf16, torch's bf16 GEMM is fast, but not at a decode's few rows, and there its
-# weight-major order (SKINNY_TOKENS, measured for fp32) is slower than x @ W^T. SmolLM2's 30 layers,
-# 2 cores with AVX512-BF16, the C kernel / F.linear / weight-major torch.mm: 1 row 8.5 / 14.4 /
-# 14.6 ms, 4 rows 8.2 / 15.0 / 22.6, 8 rows 16.0 / 14.5 / 22.3, 16 rows 30.3 / 17.4 / 23.9.
+# With native bf16, torch's bf16 GEMM (oneDNN, AMX where there is AMX) is fast once the weight is
+# in its blocked layout, which F.linear redoes on every call: SmolLM2's 30 layers, 2 cores with
+# AMX, F.linear / the weight packed once (`pack_bf16_weights`): 1 row 19.9 / 13.8 ms, 16 rows
+# 21.7 / 14.5, 64 rows 27.4 / 18.6, 256 rows 53.0 / 42.4. At a decode's few rows the C kernel on
+# AVX512-BF16 dot products (bf16 rows as they are, kernels/cpu/weight_gemv.c) beats both:
+# 10.2 ms at 1 and at 4 rows, 18.1 at 8.
 NATIVE_BF16_KERNEL_ROWS = 4
 
 
+def _mkldnn_bf16() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_bf16_weights(model: LlamaForCausalLM) -> int:
+    """On a CPU that multiplies bf16 natively, give every bf16 linear layer a copy of its weight in
+    oneDNN's blocked layout (`packed_weight`; the LM head's is the model's `packed_lm_head`), which
+    `linear` uses beyond the C kernel's rows. The plain weights stay (the C kernel reads them):
+    the copies cost the linear layers' size once more. Returns the weights packed."""
+    if WIDEN_BF16 or not _mkldnn_bf16():
+        return 0
+
+    def packable(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+    head = model.lm_head_weight()
+    done = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.weight is not head and packable(module.weight):
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+                done += 1
+        if packable(head):
+            model.packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(head.detach())
+            done += 1
+    return done
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, a bf16
+    weight's oneDNN copy (`pack_bf16_weights`)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-        # A few rows: the C kernel reads the bf16 rows as they are (up to NATIVE_BF16_KERNEL_ROWS
-        # where the CPU has native bf16). More: torch's bf16 GEMM where it is native, else the
-        # weight widened for one fp32 GEMM; the result rounded to bf16 either way.
-        x32 = x.float() if WIDEN_BF16 or x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
-        out = None if x32 is None else bf16_linear(x32, weight)
-        if out is None:
-            if not WIDEN_BF16:
+        if not WIDEN_BF16:
+            # Native bf16: a few rows on the C kernel's bf16 dot products, more on oneDNN's GEMM.
+            out = bf16_dot_linear(x, weight) if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
+            if out is None:
+                if packed is not None:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
                 return F.linear(x, weight, bias)
+            return out if bias is None else out + bias
+        # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
+        # reads it; more widen the weight for one fp32 GEMM. The result rounded to bf16 either way.
+        x32 = x.float()
+        out = bf16_linear(x32, weight)
+        if out is None:
             out = linear(x32, weight.float())
         out = out.to(x.dtype)
         return out if bias is None else out + bias
@@ -78,13 +118,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 LM_HEAD_CHUNK = 2048
 
 
-def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous."""
+def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`: as `linear`)."""
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel (1 row: 4 against 11 ms)
     if out is not None:
         return out
-    if x.shape[0] > SKINNY_TOKENS or weight.dtype != x.dtype or (weight.dtype == torch.bfloat16 and WIDEN_BF16):
-        return linear(x, weight).contiguous()
+    if x.shape[0] > SKINNY_TOKENS or weight.dtype != x.dtype or weight.dtype == torch.bfloat16:
+        return linear(x, weight, packed=packed).contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     xt = x.t()
     for start in range(0, weight.shape[0], LM_HEAD_CHUNK):
@@ -95,7 +135,8 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer` applied to x: dense, or int8 rows with their scales once quantized."""
-    return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None))
+    return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None),
+                  getattr(layer, "packed_weight", None))
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +154,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The norm of `residual + delta` (of `residual` alone without `delta`), and that sum:
-        the residual stream's add fused with the next norm, as vLLM fuses them. In fp32 on a
+        the residual stream's add fused with the next norm, as vLLM fuses them. In fp32 or bf16 on a
         CPU one C pass, which updates `residual` in place."""
         out = add_rms_norm(delta, residual, self.weight, self.eps)
         if out is not None:
@@ -147,7 +188,7 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    out = rope(x, cos, sin)  # fp32 on a CPU: one C pass
+    out = rope(x, cos, sin)  # fp32 or bf16 on a CPU: one C pass
     if out is not None:
         return out
     half = x.shape[-1] // 2
@@ -201,7 +242,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate_up = project(x, self.gate_up_proj)
-        h = silu_mul(gate_up)  # fp32 on a CPU: one C pass
+        h = silu_mul(gate_up)  # fp32 or bf16 on a CPU: one C pass
         if h is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             h = F.silu(gate) * up
@@ -269,11 +310,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits `[n, vocab]` on rank 0; None on the other ranks."""
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.tp.gather_to_first(lm_head(hidden, weight))
+        logits = self.tp.gather_to_first(lm_head(hidden, self.lm_head_weight(), getattr(self, "packed_lm_head", None)))
         if logits is None:
             return None
         return logits[:, :self.config.vocab_size].float().contiguous()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def load_weights(self, named_tensors) -> None:
         """Take (Hugging Face name, full tensor) pairs one at a time, keep this rank's shard of
