@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -112,9 +115,17 @@ INLINE v16f load16(const void *kv, int64_t i, const int bf16) {
         memcpy(&v, (const float *)kv + i, sizeof v);
         return v;
     }
+#if defined(__AVX512F__)
+    /* One vpmovzxwd to 512 bits and a shift. GCC's own conversion of the generic vector below
+     * split it into four 128-bit vpmovzxwd, extracts and inserts (it prefers 256-bit vectors on
+     * this CPU). 16 decodes of 350 tokens, 30 layers of SmolLM2, bf16, interleaved runs: one core
+     * 29.7 -> 24.7 ms, two 15.6 -> 13.7. */
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16);
+#else
     v16h h;
     memcpy(&h, (const uint16_t *)kv + i, sizeof h);
     return (v16f)(__builtin_convertvector(h, v16u) << 16); /* a bf16 is a float's upper half */
+#endif
 }
 
 /* Lane j of the result is the sum of v[j]'s lanes: pairs interleaved within 128-bit chunks, then
