@@ -54,6 +54,21 @@ def test_with_native_bf16_a_few_rows_take_the_c_kernel_and_more_take_onednns_gem
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=2 ** -7, atol=2 ** -6)
 
 
+@pytest.mark.parametrize("tokens", [1, 130])
+def test_a_packed_layer_without_its_plain_weight_runs_on_the_packed_one(tokens, monkeypatch):
+    """After pack_bf16_weights a layer's weight is a meta tensor: every row count, a decode's few
+    included, runs oneDNN's GEMM on the packed weight, and gives torch's bf16 result."""
+    if not llama._mkldnn_bf16():
+        pytest.skip("torch has no oneDNN bf16 GEMM here")
+    monkeypatch.setattr(llama, "WIDEN_BF16", False)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 64).to(torch.bfloat16)
+    w, bias = torch.randn(48, 64).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
+    got = llama.linear(x, w.to("meta"), bias, packed=torch.ops.mkldnn._reorder_linear_weight(w))
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 48)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=2 ** -7, atol=2 ** -6)
+
+
 @pytest.mark.parametrize("rows, n_out, k_in", [(1, 48, 64), (3, 9, 77), (4, 333, 1536), (7, 16, 32), (32, 20, 96)])
 def test_the_bf16_dot_kernel_sums_exact_products_in_fp32(rows, n_out, k_in):
     """kernels/cpu/weight_gemv.c's AVX512-BF16 kernel, on tile and row-count remainders and a
@@ -84,6 +99,10 @@ def test_a_bf16_engine_computes_what_transformers_computes_in_bf16(tiny_llama):
         assert hasattr(model.layers[0].mlp.gate_up_proj, "packed_weight") == packs
         assert hasattr(model.layers[-1].self_attn.o_proj, "packed_weight") == packs
         assert hasattr(model, "packed_lm_head") == packs
+        # ... and holds it once: the plain weight gives way to a meta tensor (the tied LM head's
+        # stays: it is the embeddings).
+        assert model.layers[0].self_attn.qkv_proj.weight.is_meta == packs
+        assert not model.embed_tokens.weight.is_meta
         out = llm.generate({"prompt_token_ids": PROMPT},
                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0),
                            use_tqdm=False)[0]

@@ -39,8 +39,9 @@ WIDEN_BF16 = not _native_cpu_bf16()
 # in its blocked layout, which F.linear redoes on every call: SmolLM2's 30 layers, 2 cores with
 # AMX, F.linear / the weight packed once (`pack_bf16_weights`): 1 row 19.9 / 13.8 ms, 16 rows
 # 21.7 / 14.5, 64 rows 27.4 / 18.6, 256 rows 53.0 / 42.4. At a decode's few rows the C kernel on
-# AVX512-BF16 dot products (bf16 rows as they are, kernels/cpu/weight_gemv.c) beats both:
-# 10.2 ms at 1 and at 4 rows, 18.1 at 8.
+# AVX512-BF16 dot products (bf16 rows as they are, kernels/cpu/weight_gemv.c) beats both, 10.2 ms
+# at 1 and at 4 rows, 18.1 at 8, but it reads the plain weight, which packing gives up: it serves
+# the LM head tied to the embeddings (which keep theirs), and layers that could not be packed.
 NATIVE_BF16_KERNEL_ROWS = 4
 
 
@@ -52,10 +53,10 @@ def _mkldnn_bf16() -> bool:
 
 
 def pack_bf16_weights(model: LlamaForCausalLM) -> int:
-    """On a CPU that multiplies bf16 natively, give every bf16 linear layer a copy of its weight in
-    oneDNN's blocked layout (`packed_weight`; the LM head's is the model's `packed_lm_head`), which
-    `linear` uses beyond the C kernel's rows. The plain weights stay (the C kernel reads them):
-    the copies cost the linear layers' size once more. Returns the weights packed."""
+    """On a CPU that multiplies bf16 natively, put every bf16 linear layer's weight in oneDNN's
+    blocked layout (`packed_weight`; the LM head's is the model's `packed_lm_head`), for `linear`.
+    The plain weight gives way to a meta tensor of its shape and dtype (the memory is held once);
+    an LM head tied to the embeddings keeps it, as the embeddings. Returns the weights packed."""
     if WIDEN_BF16 or not _mkldnn_bf16():
         return 0
 
@@ -65,30 +66,36 @@ def pack_bf16_weights(model: LlamaForCausalLM) -> int:
     head = model.lm_head_weight()
     done = 0
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight is not head and packable(module.weight):
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-                done += 1
         if packable(head):
             model.packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(head.detach())
             done += 1
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and packable(module.weight):
+                if module.weight is not head:
+                    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+                    done += 1
+                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
     return done
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, a bf16
-    weight's oneDNN copy (`pack_bf16_weights`)."""
+    weight's oneDNN layout (`pack_bf16_weights`; `weight` is then a meta tensor unless it is kept
+    for another use)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
-            # Native bf16: a few rows on the C kernel's bf16 dot products, more on oneDNN's GEMM.
-            out = bf16_dot_linear(x, weight) if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS else None
+            # Native bf16: a few rows on the C kernel's bf16 dot products where the plain weight is
+            # at hand, else oneDNN's GEMM (on the packed weight where there is one).
+            out = None
+            if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS and not weight.is_meta:
+                out = bf16_dot_linear(x, weight)
             if out is None:
                 if packed is not None:
                     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
                 return F.linear(x, weight, bias)
             return out if bias is None else out + bias
-        # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
+    # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
         # reads it; more widen the weight for one fp32 GEMM. The result rounded to bf16 either way.
         x32 = x.float()
         out = bf16_linear(x32, weight)
