@@ -1,8 +1,9 @@
 """The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
 system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
-linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`,
-kernels/cpu/weight_gemv.c) and the decoder layer's fp32 and bf16 element-wise steps (`add_rms_norm`,
-`silu_mul`, `rope`, kernels/cpu/elementwise.c) and the OpenMP thread pinning of
+linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`) and for a few bf16
+rows on AVX512-BF16 (`bf16_dot_linear`), kernels/cpu/weight_gemv.c; the decoder layer's fp32 and
+bf16 element-wise steps (`add_rms_norm`, `silu_mul`, `rope`, kernels/cpu/elementwise.c); and the
+OpenMP thread pinning of
 `cpu_threads_bind` (`pin_omp_threads`, kernels/cpu/threads.c), built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
