@@ -51,8 +51,8 @@ void silu_mul_f32(float *out, const float *gate_up, int64_t g_row, int64_t g_col
 }
 
 /* One head's rotary form, x at column stride x_col: a constant 1 in the contiguous call, where
- * the loop vectorizes (restrict: out never overlaps its input); 256 rows of 9 heads of 64,
- * bf16: 234 -> 62 us. */
+ * the loop vectorizes (restrict: out never overlaps its input); 256 rows of 9 heads of 64:
+ * fp32 59 -> 33 us, bf16 (rope_head_bf16) 234 -> 62 us. */
 static inline void rope_head_f32(float *restrict o, const float *restrict xh, int64_t x_col,
                                  const float *restrict cr, const float *restrict sr, int64_t half) {
     for (int64_t i = 0; i < half; ++i) {
@@ -127,7 +127,7 @@ void silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t g_row, int64_
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *g = gate_up + r * g_row, *u = g + inter * g_col;
         uint16_t *o = out + r * inter;
-        if (g_col == 1) {  /* contiguous: the loop vectorizes (5x faster at 256 rows) */
+        if (g_col == 1) {  /* contiguous: the loop vectorizes (256 rows: 480 -> 221 us) */
             for (int64_t c = 0; c < inter; ++c) {
                 const float gc = bf16_to_f32(g[c]);
                 o[c] = f32_to_bf16(round_bf16(gc / (1.f + expf(-gc))) * bf16_to_f32(u[c]));

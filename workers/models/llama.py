@@ -95,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
                 return F.linear(x, weight, bias)
             return out if bias is None else out + bias
-    # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
+        # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
         # reads it; more widen the weight for one fp32 GEMM. The result rounded to bf16 either way.
         x32 = x.float()
         out = bf16_linear(x32, weight)
@@ -141,7 +141,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None =
 
 
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`layer` applied to x: dense, or int8 rows with their scales once quantized."""
+    """`layer` applied to x: dense, int8 rows with their scales once quantized, or bf16 packed."""
     return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None),
                   getattr(layer, "packed_weight", None))
 
