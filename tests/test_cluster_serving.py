@@ -105,17 +105,18 @@ def test_cancelled_stream_frees_its_blocks_in_the_workers_pool(cluster):
 
 def test_a_killed_worker_is_replaced_and_its_streams_carry_on(ray_session, tiny_llama, offline):
     """Rank 1 of two SIGKILLed mid-stream: the stream goes on with the fault-free tokens (none lost
-    or repeated), health is SERVING again, and the restart is counted."""
+    or repeated), health is SERVING again, and the restart is counted. 400 tokens: with 60, a fast
+    run had streamed them all before the kill landed, and no step saw the fault."""
     prompt = list(range(100, 200))
     expected = offline.generate({"prompt_token_ids": prompt},
-                                SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+                                SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
                                 use_tqdm=False)[0].outputs[0].token_ids
     config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, **ENGINE)
     with running_coordinator(config) as (actor, target):
         pids = ray.get(actor.worker_pids.remote())
         assert len(pids) == 2
         with pagedserve.Client(target, timeout=120) as client:
-            stream = client.stream(prompt, max_tokens=60, temperature=0.0, ignore_eos=True)
+            stream = client.stream(prompt, max_tokens=400, temperature=0.0, ignore_eos=True)
             tokens = list(next(stream).token_ids)
             os.kill(pids[1], signal.SIGKILL)  # rank 1 dies mid-stream
             for chunk in stream:
