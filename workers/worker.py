@@ -13,7 +13,7 @@ from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_config import load_hf_config
-from workers.model_loader import load_model, resolve_dtype
+from workers.model_loader import load_model, resolve_dtype, resolve_kv_cache_dtype
 from workers.parallel import TensorParallel
 from workers.sampler import Sampler, apply_token_bitmask, token_logprobs
 from workers.step_plan import StepOutput, StepPlan
@@ -43,7 +43,8 @@ class Worker:
         self.tp = tp
         self.device = config.device
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attn_backend = kernels.get_backend(config.attention_backend, self.device, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.attn_backend = kernels.get_backend(config.attention_backend, self.device, self.kv_dtype)
         # The caller's copy when it has one (parsing a GGUF file's config takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(source)
         torch.manual_seed(config.seed)
@@ -51,7 +52,7 @@ class Worker:
                                 config.quantization)
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
-                                      attn.num_kv_heads, attn.head_dim, self.dtype)
+                                      attn.num_kv_heads, attn.head_dim, self.kv_dtype)
         self.kv_cache: torch.Tensor | None = None
         self.swap_space = None  # kvstore.swap_space.SwapSpace (shared memory or gRPC), or None
         # Attention groups whose gathered K/V stay within this many bytes per layer are read back
