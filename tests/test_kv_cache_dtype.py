@@ -95,3 +95,30 @@ def test_prefill_and_decode_replicas_must_share_the_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype: prefill kv_cache_dtype='auto', "
                                          "decode kv_cache_dtype='bfloat16'"):
         check_matching(EngineConfig(), EngineConfig(kv_cache_dtype="bfloat16"))
+
+
+def test_a_bf16_cache_hands_prompts_over_at_half_the_bytes(tiny_llama):
+    """P/D with a bf16 cache on both sides: the store's blocks are bf16 too (half an fp32
+    block's bytes), and the decode side continues as a colocated bf16 engine does."""
+    from coordinator.engine import LLMEngine
+    from coordinator.kv_handoff import open_handoff_store
+    from tests.test_kv_handoff import ENGINE, _handoff, _run
+
+    made = [LLMEngine.from_config(EngineConfig(model=tiny_llama, kv_cache_dtype=cache, **ENGINE))
+            for cache in ("bfloat16", "bfloat16", "bfloat16", "auto")]
+    colocated, prefill, decode, fp32 = made
+    prefill.role, decode.role = "prefill", "decode"
+    handoff = open_handoff_store([prefill, decode], space_gib=1 / 64, lease_seconds=60.0)
+    try:
+        assert handoff.block_bytes * 2 == fp32.executor.block_bytes()
+        prompt = [(29 * i + 3) % 4000 + 3 for i in range(50)]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        expected = _run(colocated, "c", prompt, params)
+        got, leased = _handoff(prefill, decode, handoff, "h", prompt, params)
+        assert leased == 3 and got.metrics.num_cached_tokens == 48
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert handoff.pool.num_used == 0 and decode.scheduler.kv.pool.num_used == 0
+    finally:
+        for engine in made:
+            engine.shutdown()
+        handoff.close()
