@@ -133,9 +133,11 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
         if self.kv_cache_dtype == "bfloat16" and self.dtype not in ("bfloat16", "float32", "auto"):
             raise ValueError(f"kv_cache_dtype 'bfloat16' needs dtype float32 or bfloat16; got dtype {self.dtype!r}")
-        if self.kv_cache_dtype == "bfloat16" and self.device != "cpu" and self.dtype == "float32":
-            raise ValueError(f"kv_cache_dtype 'bfloat16' with dtype {self.dtype!r} runs on device cpu only "
-                             f"(the GPU kernels read a cache of the model's dtype); got device {self.device!r}")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float32" and (
+                self.device != "cpu" or self.attention_backend == "triton"):
+            raise ValueError(f"kv_cache_dtype 'bfloat16' with dtype {self.dtype!r} runs on device cpu with "
+                             "attention_backend auto, cpu or torch only (the Triton kernels read a cache of the "
+                             f"model's dtype); got device {self.device!r}, attention_backend {self.attention_backend!r}")
         _one_of("block_size", self.block_size, _BLOCK_SIZES)
         _one_of("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))

@@ -84,7 +84,9 @@ def test_preempted_bf16_sequences_finish_as_unpreempted_ones(tiny_llama, bf16_ex
 @pytest.mark.parametrize("fields, message", [
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, bfloat16; got 'fp8'"),
     ({"kv_cache_dtype": "bfloat16", "dtype": "float16"}, "kv_cache_dtype 'bfloat16' needs dtype float32 or bfloat16"),
-    ({"kv_cache_dtype": "bfloat16", "device": "cuda"}, "runs on device cpu only"),
+    ({"kv_cache_dtype": "bfloat16", "device": "cuda"}, "runs on device cpu with attention_backend auto, cpu or "
+                                                       "torch only .* got device 'cuda'"),
+    ({"kv_cache_dtype": "bfloat16", "attention_backend": "triton"}, "attention_backend 'triton'"),
 ])
 def test_unsupported_kv_cache_dtypes_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
