@@ -57,6 +57,7 @@ are ended UNAVAILABLE. The server fails only when no replica is left.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -84,6 +85,7 @@ ROUTED_PREFIX_BLOCKS = 65536
 # A replica whose engine stopped is rebuilt up to this many times in RESTART_WINDOW_S seconds,
 # each attempt RESTART_BACKOFF_S after the last; then it stays out.
 MAX_REPLICA_RESTARTS, RESTART_WINDOW_S, RESTART_BACKOFF_S = 3, 600.0, 2.0
+REBUILD_WAIT_AT_SHUTDOWN_S = 120.0
 
 
 class Replica:
@@ -153,6 +155,10 @@ class Router:
         self._restart_listeners: list = []
         self._stopped = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # Rebuilds whose engine is not (yet) a replica's: a stop cancels the task awaiting one,
+        # not its thread, so stop() waits for what such a thread still builds and ends it.
+        self._rebuilds: set[concurrent.futures.Future] = set()
+        self._orphans: list[AsyncEngine] = []  # what those built, ended by stop()
         self.error: BaseException | None = None
         self.failovers = 0
 
@@ -253,13 +259,30 @@ class Router:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(r.engine.stop() for r in self.replicas), return_exceptions=True)
+        self._orphans = await self._finish_rebuilds()
+        engines = [r.engine for r in self.replicas] + self._orphans
+        await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
         self._stopped.set()
 
+    async def _finish_rebuilds(self) -> list[AsyncEngine]:
+        """The engines of rebuilds still running as the router stops: stopping cancels the tasks
+        that await them, not their threads, and what those build holds workers and CPUs."""
+        built = []
+        for future in list(self._rebuilds):
+            if future.cancelled():
+                continue  # it never started
+            try:
+                built.append(await asyncio.wait_for(asyncio.wrap_future(future), REBUILD_WAIT_AT_SHUTDOWN_S))
+            except Exception as e:  # it failed (and released what it had), or it hangs
+                log.warning("a replica rebuilt while the router stopped did not finish: %r", e)
+        self._rebuilds.clear()
+        return built
+
     def shutdown_engines(self) -> None:
-        """Release every replica's workers and KV store (blocking: call in a thread)."""
-        for r in self.replicas:
-            _shutdown_quietly(r.engine)
+        """Release every replica's workers and KV store (blocking: call in a thread), and those
+        of a rebuild that finished as the router stopped."""
+        for engine in [r.engine for r in self.replicas] + self._orphans:
+            _shutdown_quietly(engine)
         if self.handoff is not None:
             self.handoff.close()
 
@@ -517,12 +540,20 @@ class Router:
                 return
             replica.restarts.append(now)
             await asyncio.sleep(RESTART_BACKOFF_S)
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rebuild")
+            future = pool.submit(self._rebuild, replica.index)
+            pool.shutdown(wait=False)  # its thread ends with the rebuild
+            self._rebuilds.add(future)
             try:
-                engine = await loop.run_in_executor(None, self._rebuild, replica.index)
+                engine = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                raise  # the router stops: stop() ends what the thread builds
             except Exception as e:
+                self._rebuilds.discard(future)
                 log.error("replica %d could not be rebuilt: %r", replica.index, e)
                 error = e
                 continue
+            self._rebuilds.discard(future)
             before = any(r.serving for r in self.replicas)
             replica.engine, replica.state = engine, "serving"
             replica.in_flight = replica.pending_tokens = 0

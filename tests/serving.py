@@ -16,6 +16,7 @@ def running_coordinator(config: EngineConfig, env: dict[str, str] | None = None,
     """Yields (actor, "127.0.0.1:port") once it serves; shuts it down after. `options`: ServerOptions
     fields (host 127.0.0.1 and free gRPC and HTTP ports unless given); `env`: variables of the
     actor's process."""
+    before = live_placement_groups()
     actor = CoordinatorActor.options(runtime_env={"env_vars": env} if env else None).remote()
     try:
         options = ServerOptions(**{"host": "127.0.0.1", "port": 0, "http_port": 0, **options})
@@ -24,6 +25,15 @@ def running_coordinator(config: EngineConfig, env: dict[str, str] | None = None,
     finally:
         ray.get(actor.shutdown.remote(), timeout=60)
         ray.kill(actor)
+    # A shut-down server holds no CPUs: a placement group left behind (a replica rebuilt while
+    # it stopped, say) would starve every later test's workers in the session's Ray.
+    leaked = live_placement_groups() - before
+    assert not leaked, f"the server left placement groups behind after its shutdown: {sorted(leaked)}"
+
+
+def live_placement_groups() -> set[str]:
+    """Ids of the session's placement groups that still hold (or wait for) resources."""
+    return {pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
 
 
 def offline_greedy(offline, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
