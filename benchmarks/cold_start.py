@@ -6,7 +6,12 @@ read that cache. Each start is split into its phases, from the lines `serve` pri
 ("Started a local Ray instance"), bound (gRPC port open, model loading), serving (model loaded,
 engine running). Every start is a new process with its own local Ray, stopped by SIGINT.
 
+With --join-ray the cached starts join one Ray cluster started beforehand (`ray start --head`, as
+a deployment with `ray up cluster.yaml` has) instead: `serve --address auto`, so that Ray's own
+start (its GCS, raylet, dashboard and agents: most of a cached local start) is left out.
+
     .venv/bin/python benchmarks/cold_start.py                 # 1 uncached + 3 cached starts, ~2 minutes
+    .venv/bin/python benchmarks/cold_start.py --join-ray      # and 3 starts joining a running Ray
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cached-starts", type=int, default=3)
     p.add_argument("--port", type=int, default=50097)
+    p.add_argument("--join-ray", action="store_true",
+                   help="also time cached starts that join a Ray cluster started beforehand")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cold_start.json"))
     return p.parse_args(argv)
 
 
-def one_start(cache: str, port: int) -> dict:
-    """Seconds from the command to each phase's line, then a clean stop."""
+def one_start(cache: str, port: int, address: str | None = None) -> dict:
+    """Seconds from the command to each phase's line, then a clean stop. `address`: a running
+    Ray cluster to join (no "ray_up" phase then), or None for a local Ray of its own."""
     command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
-               "--http-port", "0", "--metrics-port", "0"]
+               "--http-port", "0", "--metrics-port", "0"] + (["--address", address] if address else [])
     env = {**os.environ, "PAGEDSERVE_CACHE": cache, "TQDM_DISABLE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -72,6 +80,7 @@ def main(argv=None) -> None:
             time.sleep(2)  # the previous Ray's processes finish exiting
             starts.append(dict(one_start(cache, args.port), cached=True))
             print("cached:  ", starts[-1], flush=True)
+        joined = _joined_starts(cache, args.port, args.cached_starts) if args.join_ray else []
     cached = [s for s in starts if s["cached"]]
     summary = {key: statistics.median(s[key] for s in cached) for key in ("ray_up", "bound", "serving", "loading_s")}
     summary["uncached_serving"] = starts[0]["serving"]
@@ -81,9 +90,31 @@ def main(argv=None) -> None:
     print(f"median cached start: serving after {summary['serving']:.2f} s (Ray up {summary['ray_up']:.2f} s, "
           f"bound {summary['bound']:.2f} s, loading {summary['loading_s']:.2f} s); uncached {starts[0]['serving']:.2f} s "
           f"(loading {starts[0]['loading_s']:.2f} s): {summary['speedup']}x, loading {summary['loading_speedup']}x")
+    if joined:
+        summary["joined_serving"] = statistics.median(s["serving"] for s in joined)
+        summary["joined_loading_s"] = statistics.median(s["loading_s"] for s in joined)
+        print(f"median cached start joining a running Ray: serving after {summary['joined_serving']:.2f} s "
+              f"(loading {summary['joined_loading_s']:.2f} s)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                                          "starts": starts, "summary": summary}, indent=2))
+                                          "starts": starts, "joined_starts": joined, "summary": summary}, indent=2))
+
+
+def _joined_starts(cache: str, port: int, count: int) -> list[dict]:
+    """`count` cached starts joining one Ray head started here first (stopped after)."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    subprocess.run([ray_cli, "start", "--head", f"--num-cpus={os.cpu_count() or 1}", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(3)  # the head's agents finish starting: a deployment's Ray has been up a while
+        joined = []
+        for _ in range(count):
+            joined.append(dict(one_start(cache, port, address="auto"), cached=True))
+            print("joined:  ", joined[-1], flush=True)
+            time.sleep(2)  # the previous server's actors finish exiting
+        return joined
+    finally:
+        subprocess.run([ray_cli, "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
