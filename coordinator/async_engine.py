@@ -120,10 +120,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                        request_id: str = "", priority: int = 0, messages: list[dict] | None = None,
-                       timeout: float | None = None,
-                       chat_options: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, chat_options: dict | None = None,
+                       max_tokens_field: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; `messages` (a chat) instead of a prompt renders the model's
-        chat template (`chat_options`: InputProcessor.chat_prompt_ids' keyword arguments).
+        chat template (`chat_options`: InputProcessor.chat_prompt_ids' keyword arguments;
+        `max_tokens_field`: InputProcessor.process').
         ValueError for bad input and QueueFullError come before any output, with nothing queued.
         Past `timeout` seconds in any state (queued, prefilling, decoding, swapped) the request is
         aborted (finish reason "deadline") and DeadlineExceededError raised."""
@@ -131,7 +132,8 @@ class AsyncEngine:
         self.check_accepting(request_id)
         self._num_checking += 1
         try:
-            token_ids = await self.check_input(prompt, prompt_token_ids, params, priority, messages, chat_options)
+            token_ids = await self.check_input(prompt, prompt_token_ids, params, priority, messages, chat_options,
+                                               max_tokens_field)
         finally:
             self._num_checking -= 1
         # aclosing: a consumer that stops reading closes the inner stream now (its abort), not at GC.
@@ -153,7 +155,7 @@ class AsyncEngine:
 
     async def check_input(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                           priority: int = 0, messages: list[dict] | None = None,
-                          chat_options: dict | None = None) -> list[int]:
+                          chat_options: dict | None = None, max_tokens_field: str | None = None) -> list[int]:
         """The prompt's token ids once every check passed (ValueError naming the field otherwise):
         tokenizing in the input thread, a structured output's grammar in the grammar pool, so
         that a schema that takes a second to compile never holds up other requests' tokenizing."""
@@ -161,7 +163,7 @@ class AsyncEngine:
         processor = self.llm_engine.input_processor
         token_ids = await loop.run_in_executor(
             self._input_thread, processor.process, prompt, prompt_token_ids, params, priority, messages,
-            chat_options, False)
+            chat_options, False, max_tokens_field)
         if params.structured_outputs is not None:
             await loop.run_in_executor(self._grammar_threads, processor.grammars.compile, params.structured_outputs)
         return token_ids

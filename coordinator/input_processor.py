@@ -69,11 +69,15 @@ class InputProcessor:
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                 priority: int = 0, messages: list[dict] | None = None,
-                chat_options: dict | None = None, compile_grammar: bool = True) -> list[int]:
+                chat_options: dict | None = None, compile_grammar: bool = True,
+                max_tokens_field: str | None = None) -> list[int]:
         """Everything a request could be refused for; its prompt's token ids. `messages` (a chat)
         takes the place of `prompt` and `prompt_token_ids`; `chat_options` are chat_prompt_ids'
         keyword arguments. `compile_grammar=False` leaves a structured output's grammar for the
-        caller to compile (`grammars.compile`), as a server does in a pool of its own."""
+        caller to compile (`grammars.compile`), as a server does in a pool of its own.
+        `max_tokens_field`: the request field that set params.max_tokens, when the prompt and that
+        many new tokens must fit in max_model_len (the OpenAI API's rule); without it a sequence
+        just ends at max_model_len (finish reason "length"), as the offline API's do."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer; got {priority!r}")
         if not isinstance(params, SamplingParams):
@@ -81,6 +85,12 @@ class InputProcessor:
         if messages is not None:
             prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
         prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
+        if max_tokens_field is not None and params.max_tokens is not None:
+            room = self.max_model_len - len(prompt_token_ids)
+            if params.max_tokens > room:
+                raise ValueError(f"{max_tokens_field} is too large: {params.max_tokens}; the prompt has "
+                                 f"{len(prompt_token_ids)} tokens and max_model_len is {self.max_model_len}, "
+                                 f"so at most {room} new tokens fit")
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None and compile_grammar:
             self.grammars.compile(params.structured_outputs)  # kept on it for the engine loop

@@ -165,6 +165,11 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, self.logprobs, self.best_of,
                                      echo_logprobs=bool(self.echo) and self.logprobs is not None)
 
+    def max_tokens_field(self) -> str | None:
+        """The field whose max_tokens the prompt must leave room for (vLLM and OpenAI answer 400
+        when it does not): the client's own, not the default or echo's scoring."""
+        return "max_tokens" if self.max_tokens is not None and not self.echo_only else None
+
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
         """(text, token ids) per prompt: one is None."""
         prompt = self.prompt
@@ -232,6 +237,13 @@ class ChatCompletionRequest(_GenerationRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+    def max_tokens_field(self) -> str | None:
+        """The field that set max_tokens, which the prompt must leave room for (None: unset, the
+        reply may run to max_model_len)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
 
     def conversation(self) -> list[dict]:
         if not self.messages:

@@ -40,14 +40,17 @@ class RequestGroup:
 
     @classmethod
     async def admit(cls, engine: AsyncEngine, prompts: list[tuple], params: SamplingParams, request_id: str,
-                    priority: int, timeout: float | None, chat_options: dict | None = None) -> RequestGroup:
+                    priority: int, timeout: float | None, chat_options: dict | None = None,
+                    max_tokens_field: str | None = None) -> RequestGroup:
         """`prompts`: (text, token ids, messages) each. Raises the first refusal (in prompt order)
-        after aborting the others."""
+        after aborting the others. `max_tokens_field`: the field that set params.max_tokens, which
+        with each prompt must fit in max_model_len (None: the default, ended at max_model_len)."""
         if len(prompts) > engine.max_queued_requests:  # could never be admitted: not worth a retry
             raise ValueError(f"prompt holds {len(prompts)} prompts; at most {engine.max_queued_requests} "
                              "(the server's max_queued_requests) fit in one request")
         streams = [engine.generate(text, ids, dataclasses.replace(params), f"{request_id}-{i}", priority,
-                                   messages=messages, timeout=timeout, chat_options=chat_options)
+                                   messages=messages, timeout=timeout, chat_options=chat_options,
+                                   max_tokens_field=max_tokens_field)
                    for i, (text, ids, messages) in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
@@ -121,7 +124,8 @@ class OpenAIServing:
         params = req.sampling_params()
         prompts = [(text, ids, None) for text, ids in req.prompts()]
         head = self._head("cmpl", "text_completion")
-        group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout)
+        group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout,
+                                         max_tokens_field=req.max_tokens_field())
         group.echo_only = req.echo_only
         fmt = CompletionFormat(params.n, params.logprobs, bool(req.echo), req.prompt_logprobs is not None,
                                engine.llm_engine.tokenizer)
@@ -139,7 +143,7 @@ class OpenAIServing:
         prompts = [(None, None, req.conversation())]
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
-                                         self.request_timeout, req.chat_options())
+                                         self.request_timeout, req.chat_options(), req.max_tokens_field())
         fmt = ChatFormat(params.n, params.logprobs)
         if req.stream:
             head["object"] = "chat.completion.chunk"

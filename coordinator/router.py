@@ -192,7 +192,8 @@ class Router:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
                        request_id: str = "", priority: int = 0, messages: list[dict] | None = None,
-                       timeout: float | None = None, chat_options: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, chat_options: dict | None = None,
+                       max_tokens_field: str | None = None) -> AsyncIterator[RequestOutput]:
         """AsyncEngine.generate, on the replica the policy picks."""
         loop = asyncio.get_running_loop()
         expires = None if timeout is None else loop.time() + timeout
@@ -205,7 +206,7 @@ class Router:
         self._num_checking += 1
         try:
             token_ids = await self._any_serving().engine.check_input(prompt, prompt_token_ids, params, priority,
-                                                                    messages, chat_options)
+                                                                    messages, chat_options, max_tokens_field)
         finally:
             self._num_checking -= 1
         request_id = request_id or f"req-{next(self._ids)}"

@@ -196,6 +196,34 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
     assert _stats(server)["requests_rejected_unauthenticated"] >= 2
 
 
+def test_a_max_tokens_the_context_cannot_hold_is_a_400_naming_the_field_and_the_room(client, server):
+    """As vLLM's and OpenAI's servers answer: a prompt plus the max_tokens asked for must fit in
+    max_model_len (1024 here). Left unset, the reply may run to max_model_len instead."""
+    prompt = [11] * 1000
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=25, **GREEDY)
+    body = info.value.body
+    assert body["param"] == "max_tokens"
+    assert "25" in body["message"] and "1000" in body["message"] and "1024" in body["message"]
+    assert "at most 24 new tokens" in body["message"]
+    fits = client.completions.create(model=server.model, prompt=prompt, max_tokens=24, **GREEDY)
+    assert fits.usage.completion_tokens == 24 and fits.choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10**6)
+    assert info.value.body["param"] == "max_completion_tokens" and "max_model_len is 1024" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=messages, max_tokens=1024)
+    assert info.value.body["param"] == "max_tokens"
+    # Unset: the reply runs until the context is full (or EOS), as before.
+    chat = client.chat.completions.create(model=server.model, messages=messages, **GREEDY)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 1024
+    assert chat.choices[0].finish_reason == "length"
+    stats = _wait_for(server, lambda s: s["num_running"] == 0)
+    assert stats["kv_blocks_used"] == 0  # nothing was admitted for the refused ones
+
+
 def test_a_full_queue_is_rate_limited(client, server):
     """Every sequence slot busy with one long request: MAX_QUEUED more wait, the next is refused."""
     busy = client.completions.create(model=server.model, prompt="busy", n=MAX_NUM_SEQS, max_tokens=900, stream=True,
