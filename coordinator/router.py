@@ -57,7 +57,6 @@ are ended UNAVAILABLE. The server fails only when no replica is left.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -156,8 +155,8 @@ class Router:
         self._stopped = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         # Rebuilds whose engine is not (yet) a replica's: a stop cancels the task awaiting one,
-        # not its thread, so stop() waits for what such a thread still builds and ends it.
-        self._rebuilds: set[concurrent.futures.Future] = set()
+        # not the rebuild, so stop() waits for what it still builds and ends it.
+        self._rebuilds: set[asyncio.Future] = set()
         self._orphans: list[AsyncEngine] = []  # what those built, ended by stop()
         self.error: BaseException | None = None
         self.failovers = 0
@@ -270,10 +269,8 @@ class Router:
         that await them, not their threads, and what those build holds workers and CPUs."""
         built = []
         for future in list(self._rebuilds):
-            if future.cancelled():
-                continue  # it never started
             try:
-                built.append(await asyncio.wait_for(asyncio.wrap_future(future), REBUILD_WAIT_AT_SHUTDOWN_S))
+                built.append(await asyncio.wait_for(future, REBUILD_WAIT_AT_SHUTDOWN_S))
             except Exception as e:  # it failed (and released what it had), or it hangs
                 log.warning("a replica rebuilt while the router stopped did not finish: %r", e)
         self._rebuilds.clear()
@@ -541,14 +538,11 @@ class Router:
                 return
             replica.restarts.append(now)
             await asyncio.sleep(RESTART_BACKOFF_S)
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rebuild")
-            future = pool.submit(self._rebuild, replica.index)
-            pool.shutdown(wait=False)  # its thread ends with the rebuild
+            future = loop.run_in_executor(None, self._rebuild, replica.index)
             self._rebuilds.add(future)
             try:
-                engine = await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                raise  # the router stops: stop() ends what the thread builds
+                # Shielded: a stop cancels this task, not the rebuild; stop() ends what it builds.
+                engine = await asyncio.shield(future)
             except Exception as e:
                 self._rebuilds.discard(future)
                 log.error("replica %d could not be rebuilt: %r", replica.index, e)
