@@ -11,6 +11,7 @@ field and the engine loop only copies compiled matchers. Torch-free.
 
 from __future__ import annotations
 
+import json
 import operator
 
 from coordinator.sampling_params import SamplingParams
@@ -29,18 +30,20 @@ class InputProcessor:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template: ready for a reply
         (`add_generation_prompt`), or ending inside the last message, which the reply continues
-        (`continue_final_message`)."""
+        (`continue_final_message`); `tools` go to templates that render them."""
         if not messages:
             raise ValueError("messages must not be empty")
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt or token ids")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        template = self.tokenizer.chat_template
+        messages = [_tool_calls_shown(m, template if isinstance(template, str) else "") for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
                                                      add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message)
         except Exception as e:  # a template's own refusal (roles out of order, ...) is the client's to fix
@@ -95,3 +98,16 @@ class InputProcessor:
         if params.structured_outputs is not None and compile_grammar:
             self.grammars.compile(params.structured_outputs)  # kept on it for the engine loop
         return prompt_token_ids
+
+
+def _tool_calls_shown(message: dict, template: str) -> dict:
+    """`message` for a chat template that does not render an assistant's earlier `tool_calls`
+    (SmolLM2's, say): its calls appended to its content as JSON, so that the model still sees
+    what it called before the tool's answer."""
+    calls = message.get("tool_calls")
+    if not calls or "tool_calls" in template:
+        return message
+    shown = [{"name": c.get("function", {}).get("name"), "arguments": c.get("function", {}).get("arguments")}
+             for c in calls]
+    content = message.get("content") or ""
+    return {**message, "content": (content + "\n" if content else "") + json.dumps(shown, ensure_ascii=False)}

@@ -3,9 +3,10 @@ how one becomes prompts and SamplingParams.
 
 Pydantic checks shapes (types); SamplingParams and the input processor check values, so that
 HTTP refuses what gRPC refuses, with the same messages. An unknown field is refused, and so is a
-known one that this server cannot honour yet (tools, suffix, ...) unless it holds its no-op value:
-a client must never get an output that silently ignored what it asked for. Structured outputs
-come as OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs`.
+known one that this server cannot honour yet (suffix, functions, ...) unless it holds its no-op
+value: a client must never get an output that silently ignored what it asked for. Structured
+outputs come as OpenAI's `response_format` (json_object, json_schema) or vLLM's
+`structured_outputs`; tool calls as `tools` and `tool_choice` (coordinator/openai_tools.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.openai_tools import ToolCallPlan, tool_call_plan
 from coordinator.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
@@ -22,9 +24,7 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs t
 # value is the no-op one (the test returns True for a harmless value).
 _NOT_SUPPORTED = {
     "suffix": lambda v: not v,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v == "none",
     "function_call": lambda v: v == "none",
     "chat_template": lambda v: not v,
     "chat_template_kwargs": lambda v: not v,
@@ -186,20 +186,22 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatMessage(BaseModel):
     # Clients send back what they were given (refusal, annotations, ...): extra keys are ignored,
-    # except those that carry tool calls, which this server cannot honour.
+    # except the legacy function_call, which this server cannot honour.
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def as_dict(self) -> dict:
-        for key in ("tool_calls", "tool_call_id", "function_call"):
-            if (self.model_extra or {}).get(key):
-                raise ValueError(f"messages: {key} is not supported by this server")
+        if (self.model_extra or {}).get("function_call"):
+            raise ValueError("messages: function_call is not supported by this server; send tool_calls")
         message = {"role": self.role, "content": _text_content(self.content)}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -210,12 +212,12 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # harmless without tools
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -238,6 +240,19 @@ class ChatCompletionRequest(_GenerationRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
+    def tool_call_plan(self) -> ToolCallPlan | None:
+        """How the reply becomes tool calls (None: plain text); ValueError naming the field."""
+        return tool_call_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        plan = self.tool_call_plan()
+        if plan is None:
+            return super().structured_outputs_params()
+        if self.structured_outputs or (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError("tool_choice and response_format / structured_outputs cannot both constrain the "
+                             "reply; send one")
+        return plan.structured_outputs()
+
     def max_tokens_field(self) -> str | None:
         """The field that set max_tokens, which the prompt must leave room for (None: unset, the
         reply may run to max_model_len)."""
@@ -251,8 +266,11 @@ class ChatCompletionRequest(_GenerationRequest):
         return [m.as_dict() for m in self.messages]
 
     def chat_options(self) -> dict:
-        return {"add_generation_prompt": bool(self.add_generation_prompt),
-                "continue_final_message": bool(self.continue_final_message)}
+        options = {"add_generation_prompt": bool(self.add_generation_prompt),
+                   "continue_final_message": bool(self.continue_final_message)}
+        if self.tools:  # for templates that describe tools to the model (SmolLM2's does not)
+            options["tools"] = self.tools
+        return options
 
 
 class TokenizeRequest(_Body):

@@ -8,6 +8,7 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 
 from __future__ import annotations
 
+from coordinator.openai_tools import ToolCallPlan
 from coordinator.outputs import CompletionOutput, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM sends this floor instead
@@ -122,16 +123,29 @@ class CompletionFormat(_Choices):
 
 
 class ChatFormat(_Choices):
-    """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None."""
+    """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None;
+    `tools`: how a reply becomes tool calls (a streamed choice then sends them whole as it ends)."""
 
-    def __init__(self, n: int, logprobs: int | None):
+    def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None):
         super().__init__(n)
         self.k = logprobs
+        self.tools = tools
 
     def whole(self, out: RequestOutput) -> list[dict]:
-        return [{"index": self.index(0, c), "message": {"role": "assistant", "content": c.text},
-                 "logprobs": self._logprobs(c.logprobs, c.token_ids), "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = self._message(c.text, c.finish_reason)
+            choices.append({"index": self.index(0, c), "message": {"role": "assistant", **message},
+                            "logprobs": self._logprobs(c.logprobs, c.token_ids), "finish_reason": finish_reason,
+                            "stop_reason": c.stop_reason})
+        return choices
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A reply's message fields and finish reason: its tool calls where it holds whole ones."""
+        calls = self.tools.calls(text) if self.tools is not None and finish_reason is not None else None
+        if calls is None:
+            return {"content": text}, finish_reason
+        return {"content": None, "tool_calls": calls}, self.tools.finish_reason if finish_reason == "stop" else finish_reason
 
     def first_deltas(self, num_choices: int) -> list[dict]:
         """The role, before any content (as OpenAI streams it)."""
@@ -139,10 +153,22 @@ class ChatFormat(_Choices):
                 for i in range(num_choices)]
 
     def deltas(self, out: RequestOutput) -> list[dict]:
-        return [{"index": index, "delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
-                 "logprobs": self._logprobs(_new_logprobs(c), c.delta_token_ids), "finish_reason": finish_reason,
-                 "stop_reason": c.stop_reason if finish_reason else None}
-                for index, c, finish_reason in self._news(0, out)]
+        choices = [{"index": index, **self._delta(c, finish_reason),
+                    "logprobs": self._logprobs(_new_logprobs(c), c.delta_token_ids),
+                    "stop_reason": c.stop_reason if finish_reason else None}
+                   for index, c, finish_reason in self._news(0, out)]
+        return [c for c in choices if c["delta"] or c["finish_reason"] or c["logprobs"] or self.tools is None]
+
+    def _delta(self, c: CompletionOutput, finish_reason: str | None) -> dict:
+        if self.tools is None:
+            return {"delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
+                    "finish_reason": finish_reason}
+        if finish_reason is None:  # held back until the reply is whole: calls or text
+            return {"delta": {}, "finish_reason": None}
+        message, finish_reason = self._message(c.text, finish_reason)
+        if "tool_calls" in message:
+            message = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+        return {"delta": message, "finish_reason": finish_reason}
 
     def _logprobs(self, steps: list[dict] | None, token_ids: list[int]) -> dict | None:
         if self.k is None or steps is None:

@@ -144,7 +144,7 @@ class OpenAIServing:
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
-        fmt = ChatFormat(params.n, params.logprobs)
+        fmt = ChatFormat(params.n, params.logprobs, req.tool_call_plan())
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,

@@ -181,10 +181,10 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
     assert refused(openai.BadRequestError, max_tokens="many")["param"] == "max_tokens"
     refused(openai.BadRequestError, prompt=["a", "b", "c", "d"])  # more prompts than the queue holds
     assert refused(openai.NotFoundError, model="gpt-4")["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # legacy function calling: not implemented
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.body["param"] == "tools"
+                                       functions=[{"name": "f"}])
+    assert info.value.body["param"] == "functions"
     client.completions.create(model=server.model, prompt="hi", max_tokens=2, user="u-1")  # harmless: accepted
 
     wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)

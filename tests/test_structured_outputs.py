@@ -276,3 +276,82 @@ def test_http_response_format_and_structured_outputs(server):
             client.completions.create(model=server.model, prompt="x", max_tokens=4, extra_body=body)
         assert info.value.body["param"] == param, info.value.body
         assert info.value.body["message"].startswith(param), info.value.body
+
+
+# ---- tool calling over HTTP (coordinator/openai_tools.py) -----------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": PERSON}}]
+
+
+def _chat(client, server, **kwargs):
+    return client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Weather?"}],
+                                          max_tokens=120, **kwargs)
+
+
+def test_http_named_and_required_tool_choice_return_valid_tool_calls(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):  # sampled: each reply is still a valid call
+        choice = _chat(client, server, tools=TOOLS, tool_choice=named, temperature=1.0, seed=seed).choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    for seed in range(4):
+        choice = _chat(client, server, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                       parallel_tool_calls=False).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls  # parallel_tool_calls false: exactly one
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    # A streamed call arrives whole in the last chunk, in the SDK's delta shape.
+    chunks = list(_chat(client, server, tools=TOOLS, tool_choice=named, temperature=0.0, stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if c.choices]
+    greedy = _chat(client, server, tools=TOOLS, tool_choice=named, temperature=0.0).choices[0].message.tool_calls[0]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == greedy.function.arguments
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # tool_choice "none": plain text, as without tools (greedy, so the same tokens)
+    plain = _chat(client, server, temperature=0.0, max_completion_tokens=8, extra_body={"ignore_eos": True})
+    none = _chat(client, server, tools=TOOLS, tool_choice="none", temperature=0.0, max_completion_tokens=8,
+                 extra_body={"ignore_eos": True})
+    assert none.choices[0].message.content == plain.choices[0].message.content and not none.choices[0].message.tool_calls
+    # The second turn: the assistant's call and the tool's answer go back into the conversation.
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None,
+                "tool_calls": [{"id": greedy.id, "type": "function",
+                                "function": {"name": "get_weather", "arguments": greedy.function.arguments}}]},
+               {"role": "tool", "tool_call_id": greedy.id, "content": "Sunny, 21 C"}]
+    reply = client.chat.completions.create(model=server.model, messages=history, max_tokens=6, temperature=0.0)
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
+    # The conversation the model saw holds the call's arguments (SmolLM2-style templates drop tool_calls).
+    assert reply.usage.prompt_tokens > client.chat.completions.create(
+        model=server.model, messages=[history[0], {**history[1], "tool_calls": None, "content": ""}, history[2]],
+        max_tokens=1).usage.prompt_tokens
+
+
+def test_http_tool_choices_the_server_cannot_honour_are_400s_naming_the_field(server):
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    cases = [({"tools": TOOLS}, "tool_choice", '"auto"'),  # auto is the default with tools
+             ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+             ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+              "'nope'"),
+             ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
+              "tools", "tools[0].function.name"),
+             ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "names two tools"),
+             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}],
+               "tool_choice": "required"}, "tools", "tools"),
+             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+              "cannot both")]
+    for body, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            _chat(client, server, **body)
+        assert info.value.body["param"] == param and words in info.value.body["message"], (body, info.value.body)
+    with Client(server.target) as grpc_client:  # nothing was left behind by the refusals
+        stats = grpc_client.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0

@@ -1,0 +1,117 @@
+"""Tool calling over the chat API, as vLLM serves it without a tool-call parser: the reply is
+constrained to the tools' JSON schemas by structured outputs, so what comes back is always a
+valid call.
+
+- `tool_choice` {"type": "function", "function": {"name": N}}: the reply is N's arguments (a JSON
+  object matching its `parameters`); one call, finish reason "stop" (as OpenAI answers a forced
+  function).
+- `tool_choice` "required": the reply is a JSON array of one or more {"name", "parameters"} (one
+  at most with `parallel_tool_calls` false), each matching its own tool; finish reason
+  "tool_calls".
+- `tool_choice` "none": the tools reach the chat template only; the reply is text.
+- "auto" (the default with tools) needs a parser that finds calls inside free text, which this
+  server does not have: refused, naming the choices that work (vLLM refuses it too unless started
+  with a parser).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.sampling_params import StructuredOutputsParams
+
+_ANY_OBJECT = {"type": "object"}  # a tool without `parameters` takes any object (OpenAI's reading)
+
+
+@dataclass(frozen=True)
+class ToolCallPlan:
+    """How a reply becomes tool calls: `named` (the reply is that tool's arguments) or None for
+    "required" (the reply is an array of {"name", "parameters"})."""
+
+    named: str | None
+    schema: dict
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.named else "tool_calls"
+
+    def structured_outputs(self) -> StructuredOutputsParams:
+        # Compact JSON: free whitespace lets a small model pad an argument list until max_tokens.
+        return StructuredOutputsParams(json=self.schema, disable_any_whitespace=True, field_name="tools")
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The reply's tool calls in OpenAI's shape, or None when the text is not a whole call (a
+        reply cut short by max_tokens or a stop string): then it is returned as content."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named:
+            return [_call(self.named, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
+            return None
+        return [_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_parameters(tools: list[Any] | None) -> dict[str, dict]:
+    """name -> parameters schema of each tool; ValueError naming the field for a malformed one."""
+    if tools is None:
+        return {}
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of {\"type\": \"function\", \"function\": {...}}")
+    params: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}].type must be \"function\" (the only kind of tool)")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}].function.name is required: a non-empty string")
+        schema = function.get("parameters")
+        if schema is not None and not isinstance(schema, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        if function["name"] in params:
+            raise ValueError(f"tools[{i}].function.name {function['name']!r} names two tools")
+        params[function["name"]] = schema or _ANY_OBJECT
+    return params
+
+
+def tool_call_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolCallPlan | None:
+    """The plan for a chat request's tools, or None when the reply is plain text; ValueError
+    naming the field for a choice this server cannot honour."""
+    params = tool_parameters(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if params else "none"
+    if tool_choice == "none":
+        return None
+    if not params:
+        raise ValueError(f"tool_choice {json.dumps(tool_choice)} needs tools; tools is empty or unset")
+    if tool_choice == "auto":
+        raise ValueError('tool_choice "auto" (the default when tools are set) needs a tool-call parser, '
+                         'which this server does not have; send tool_choice "required", '
+                         '{"type": "function", "function": {"name": ...}} or "none"')
+    if tool_choice == "required":
+        one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                    "parameters": schema},
+                   "required": ["name", "parameters"], "additionalProperties": False}
+                  for name, schema in params.items()]
+        array = {"type": "array", "minItems": 1, "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
+        if parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return ToolCallPlan(None, array)
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError('tool_choice must be "none", "auto", "required" or '
+                         f'{{"type": "function", "function": {{"name": ...}}}}; got {json.dumps(tool_choice)}')
+    if name not in params:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not among tools "
+                         f"({', '.join(sorted(params))})")
+    return ToolCallPlan(name, params[name])
+
