@@ -181,7 +181,8 @@ class CoordinatorActor:
         from coordinator.http_server import HttpServer
         from coordinator.server_options import DEFAULT_HTTP_PORT
 
-        self._http = HttpServer(self._state, model, self._metrics_registry(model), options.tls)
+        self._http = HttpServer(self._state, model, self._metrics_registry(model), options.tls,
+                                options.auto_tool_parser)
         if options.http_port is not None:
             port = await self._http.start(options.http_host, options.http_port)
         else:

@@ -43,10 +43,11 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
 FINGERPRINT = f"pagedserve-{VERSION}"
 
 
-def build_app(state: ServerState, model_name: str, registry=None) -> FastAPI:
-    """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work)."""
+def build_app(state: ServerState, model_name: str, registry=None, tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work);
+    `tool_call_parser`: set, tool_choice "auto" is served with it."""
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT)
+    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT, tool_call_parser)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -248,9 +249,10 @@ class HttpServer:
         await server.stop(grace=2)
     """
 
-    def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None):
+    def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None,
+                 tool_call_parser: str | None = None):
         self.state = state
-        self.app = build_app(state, model_name, registry)
+        self.app = build_app(state, model_name, registry, tool_call_parser)
         self.tls = tls
         self.port = 0
         self._server: uvicorn.Server | None = None

@@ -98,8 +98,10 @@ class _GenerationRequest(_Body):
             raise ValueError("stream_options is only allowed with stream=true")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
-                         echo_logprobs: bool = False) -> SamplingParams:
-        """ValueError (naming the field and limit) for a bad value."""
+                         echo_logprobs: bool = False,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """ValueError (naming the field and limit) for a bad value; `structured`: the request's
+        constraint when it is not its response_format / structured_outputs (a tool call's)."""
         self.check_supported()
         kwargs = {name: getattr(self, name) for name in _SAME_NAME if getattr(self, name) is not None}
         if self.logit_bias:
@@ -111,7 +113,7 @@ class _GenerationRequest(_Body):
             kwargs["beam_width"] = best_of or self.n or 1
         elif best_of is not None:
             kwargs["best_of"] = best_of
-        kwargs["structured_outputs"] = self.structured_outputs_params()
+        kwargs["structured_outputs"] = structured or self.structured_outputs_params()
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -228,7 +230,8 @@ class ChatCompletionRequest(_GenerationRequest):
     store: bool | None = None  # accepted, unused
     service_tier: str | None = None  # accepted, unused
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tools: ToolCallPlan | None = None) -> SamplingParams:
+        """`tools`: tool_call_plan()'s, whose schema constrains the reply."""
         # Checked here too: SamplingParams' messages would name its own fields (max_tokens, logprobs).
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ValueError(f"max_completion_tokens must be an integer >= 1; got {self.max_completion_tokens}")
@@ -238,20 +241,18 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        structured = None
+        if tools is not None and tools.schema is not None:
+            if self.structured_outputs or (self.response_format or {}).get("type", "text") != "text":
+                raise ValueError("tool_choice and response_format / structured_outputs cannot both constrain "
+                                 "the reply; send one")
+            structured = tools.structured_outputs()
+        return self._sampling_params(max_tokens, logprobs, structured=structured)
 
-    def tool_call_plan(self) -> ToolCallPlan | None:
-        """How the reply becomes tool calls (None: plain text); ValueError naming the field."""
-        return tool_call_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
-
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        plan = self.tool_call_plan()
-        if plan is None:
-            return super().structured_outputs_params()
-        if self.structured_outputs or (self.response_format or {}).get("type", "text") != "text":
-            raise ValueError("tool_choice and response_format / structured_outputs cannot both constrain the "
-                             "reply; send one")
-        return plan.structured_outputs()
+    def tool_call_plan(self, auto_parser: str | None = None) -> ToolCallPlan | None:
+        """How the reply becomes tool calls (None: plain text); ValueError naming the field.
+        `auto_parser`: the server's tool-call parser, when it serves tool_choice "auto"."""
+        return tool_call_plan(self.tools, self.tool_choice, self.parallel_tool_calls, auto_parser)
 
     def max_tokens_field(self) -> str | None:
         """The field that set max_tokens, which the prompt must leave room for (None: unset, the

@@ -130,6 +130,7 @@ class ChatFormat(_Choices):
         super().__init__(n)
         self.k = logprobs
         self.tools = tools
+        self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools)
 
     def whole(self, out: RequestOutput) -> list[dict]:
         choices = []
@@ -141,11 +142,16 @@ class ChatFormat(_Choices):
         return choices
 
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """A reply's message fields and finish reason: its tool calls where it holds whole ones."""
-        calls = self.tools.calls(text) if self.tools is not None and finish_reason is not None else None
+        """A whole reply's message fields (content, and its tool calls where it holds any) and
+        finish reason."""
+        if self.tools is None:
+            return {"content": text}, finish_reason
+        content, calls = self.tools.parse(text)
         if calls is None:
             return {"content": text}, finish_reason
-        return {"content": None, "tool_calls": calls}, self.tools.finish_reason if finish_reason == "stop" else finish_reason
+        if finish_reason == "stop":
+            finish_reason = self.tools.finish_reason
+        return {"content": content, "tool_calls": calls}, finish_reason
 
     def first_deltas(self, num_choices: int) -> list[dict]:
         """The role, before any content (as OpenAI streams it)."""
@@ -153,22 +159,27 @@ class ChatFormat(_Choices):
                 for i in range(num_choices)]
 
     def deltas(self, out: RequestOutput) -> list[dict]:
-        choices = [{"index": index, **self._delta(c, finish_reason),
+        choices = [{"index": index, **self._delta(index, c, finish_reason),
                     "logprobs": self._logprobs(_new_logprobs(c), c.delta_token_ids),
                     "stop_reason": c.stop_reason if finish_reason else None}
                    for index, c, finish_reason in self._news(0, out)]
         return [c for c in choices if c["delta"] or c["finish_reason"] or c["logprobs"] or self.tools is None]
 
-    def _delta(self, c: CompletionOutput, finish_reason: str | None) -> dict:
+    def _delta(self, index: int, c: CompletionOutput, finish_reason: str | None) -> dict:
         if self.tools is None:
             return {"delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
                     "finish_reason": finish_reason}
-        if finish_reason is None:  # held back until the reply is whole: calls or text
-            return {"delta": {}, "finish_reason": None}
+        # With tools, content streams only where it surely is content; calls come whole at the end.
+        sent = self._sent.get(index, 0)
+        if finish_reason is None:
+            content = self.tools.streamable(c.text)
+            self._sent[index] = max(sent, len(content))
+            return {"delta": {"content": content[sent:]} if len(content) > sent else {}, "finish_reason": None}
         message, finish_reason = self._message(c.text, finish_reason)
+        delta = {"content": message["content"][sent:]} if len(message["content"] or "") > sent else {}
         if "tool_calls" in message:
-            message = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
-        return {"delta": message, "finish_reason": finish_reason}
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        return {"delta": delta, "finish_reason": finish_reason}
 
     def _logprobs(self, steps: list[dict] | None, token_ids: list[int]) -> dict | None:
         if self.k is None or steps is None:

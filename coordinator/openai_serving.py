@@ -111,10 +111,12 @@ class OpenAIServing:
     checked auth, serving and the model name. ValueError (naming the field) and the engine's
     refusals are raised before any chunk."""
 
-    def __init__(self, model_name: str, request_timeout: float | None, fingerprint: str):
+    def __init__(self, model_name: str, request_timeout: float | None, fingerprint: str,
+                 tool_call_parser: str | None = None):
         self.model_name = model_name
         self.request_timeout = request_timeout
         self.fingerprint = fingerprint
+        self.tool_call_parser = tool_call_parser  # set: tool_choice "auto" is served (openai_tools.py)
 
     def _head(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
@@ -139,12 +141,13 @@ class OpenAIServing:
         return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(finals)}
 
     async def chat(self, engine: AsyncEngine, req: ChatCompletionRequest) -> dict | ChunkStream:
-        params = req.sampling_params()
+        tools = req.tool_call_plan(self.tool_call_parser)
+        params = req.sampling_params(tools)
         prompts = [(None, None, req.conversation())]
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
-        fmt = ChatFormat(params.n, params.logprobs, req.tool_call_plan())
+        fmt = ChatFormat(params.n, params.logprobs, tools)
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,

@@ -9,14 +9,15 @@ valid call.
   at most with `parallel_tool_calls` false), each matching its own tool; finish reason
   "tool_calls".
 - `tool_choice` "none": the tools reach the chat template only; the reply is text.
-- "auto" (the default with tools) needs a parser that finds calls inside free text, which this
-  server does not have: refused, naming the choices that work (vLLM refuses it too unless started
-  with a parser).
+- "auto" (the default with tools): the model writes free text, in which the server's tool-call
+  parser finds calls (`--enable-auto-tool-choice --tool-call-parser hermes`, as vLLM's flags);
+  without those flags it is refused, naming the choices that work (as vLLM refuses it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,32 +29,77 @@ _ANY_OBJECT = {"type": "object"}  # a tool without `parameters` takes any object
 
 @dataclass(frozen=True)
 class ToolCallPlan:
-    """How a reply becomes tool calls: `named` (the reply is that tool's arguments) or None for
-    "required" (the reply is an array of {"name", "parameters"})."""
+    """How a reply becomes tool calls. `named`: the reply is that tool's arguments; `schema`
+    without `named`: "required", the reply is an array of {"name", "parameters"}; neither: "auto",
+    free text in which the parser (`hermes`) finds calls."""
 
     named: str | None
-    schema: dict
+    schema: dict | None
+    parser: str | None = None
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.named else "tool_calls"
 
-    def structured_outputs(self) -> StructuredOutputsParams:
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.schema is None:  # auto: the model writes what it likes
+            return None
         # Compact JSON: free whitespace lets a small model pad an argument list until max_tokens.
         return StructuredOutputsParams(json=self.schema, disable_any_whitespace=True, field_name="tools")
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The reply's tool calls in OpenAI's shape, or None when the text is not a whole call (a
-        reply cut short by max_tokens or a stop string): then it is returned as content."""
+    def parse(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """(content, tool calls in OpenAI's shape) of a whole reply. A reply that holds no whole
+        call (cut short by max_tokens or a stop string, or plain text under "auto") is content."""
+        if self.parser is not None:
+            return _parse_hermes(text)
         try:
             value = json.loads(text)
         except ValueError:
-            return None
+            return text, None
         if self.named:
-            return [_call(self.named, text)] if isinstance(value, dict) else None
+            return (None, [_call(self.named, text)]) if isinstance(value, dict) else (text, None)
         if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
-            return None
-        return [_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+            return text, None
+        return None, [_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+    def streamable(self, text: str) -> str:
+        """The part of a reply still being written that is surely content: under "auto", the text
+        before a call begins (less a tail that may be the start of one); otherwise nothing, as the
+        reply is one call."""
+        if self.parser is None:
+            return ""
+        start = text.find(HERMES_START)
+        if start >= 0:
+            return text[:start]
+        for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+            if HERMES_START.startswith(text[-keep:]):
+                return text[:-keep]
+        return text
+
+
+# Hermes' format (Qwen 2.5/3, Hermes 2/3, and others): each call a JSON {"name", "arguments"}
+# between these tags, after any text.
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|$)", re.DOTALL)
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[dict] | None]:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return text, None
+    calls = []
+    for body in _HERMES_CALL.findall(text[start:]):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return text, None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return text, None
+        arguments = value.get("arguments", {})
+        calls.append(_call(value["name"], arguments if isinstance(arguments, str)
+                           else json.dumps(arguments, ensure_ascii=False)))
+    return text[:start].strip() or None, calls
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -83,9 +129,11 @@ def tool_parameters(tools: list[Any] | None) -> dict[str, dict]:
     return params
 
 
-def tool_call_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolCallPlan | None:
+def tool_call_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+                   auto_parser: str | None = None) -> ToolCallPlan | None:
     """The plan for a chat request's tools, or None when the reply is plain text; ValueError
-    naming the field for a choice this server cannot honour."""
+    naming the field for a choice this server cannot honour. `auto_parser`: the server's
+    tool-call parser when it serves "auto" (`--enable-auto-tool-choice`), else None."""
     params = tool_parameters(tools)
     if tool_choice is None:
         tool_choice = "auto" if params else "none"
@@ -93,9 +141,12 @@ def tool_call_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_call
         return None
     if not params:
         raise ValueError(f"tool_choice {json.dumps(tool_choice)} needs tools; tools is empty or unset")
+    if tool_choice == "auto" and auto_parser is not None:
+        return ToolCallPlan(None, None, auto_parser)
     if tool_choice == "auto":
-        raise ValueError('tool_choice "auto" (the default when tools are set) needs a tool-call parser, '
-                         'which this server does not have; send tool_choice "required", '
+        raise ValueError('tool_choice "auto" (the default when tools are set) needs a tool-call parser: start '
+                         'the server with --enable-auto-tool-choice --tool-call-parser hermes (for models that '
+                         'write <tool_call> tags), or send tool_choice "required", '
                          '{"type": "function", "function": {"name": ...}} or "none"')
     if tool_choice == "required":
         one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},

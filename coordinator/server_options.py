@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_HTTP_PORT = 8000
-ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py  # vLLM's: `curl localhost:8000/v1/...` works as it does there
+DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
+ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py
+TOOL_CALL_PARSERS = ("hermes",)  # coordinator/openai_tools.py's (this module imports nothing of ours)
 
 
 @dataclass(slots=True)
@@ -46,6 +47,10 @@ class ServerOptions:
     decode_config: dict | None = None
     pd_min_prompt_tokens: int = 0
     pd_kv_lease: float = 60.0
+    # Tool calling over HTTP (coordinator/openai_tools.py): tool_choice "auto" is served, with this
+    # parser finding calls in the model's text (vLLM's two flags; the first needs the second).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -94,7 +99,13 @@ class ServerOptions:
             raise ValueError(f"pd_kv_lease must be a number of seconds > 0; got {self.pd_kv_lease!r}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing_policy!r}")
-        for name in ("default_metrics", "http"):
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes): the parser that finds "
+                             "tool calls in the model's text")
+        for name in ("default_metrics", "http", "enable_auto_tool_choice"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 
@@ -105,6 +116,11 @@ class ServerOptions:
     @property
     def num_replicas(self) -> int:
         return self.prefill_replicas + self.decode_replicas if self.disaggregated else self.data_parallel_size
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser serving tool_choice "auto", or None when "auto" is refused."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def tls(self) -> tuple[bytes, bytes] | None:

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine settings of the decode replicas over the flags' values")
     serve.add_argument("--pd-min-prompt-tokens", type=int, default=0,
                        help="prompts shorter than this go straight to a decode replica (default: %(default)s)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default with tools) over HTTP, finding calls in the '
+                            "model's text with --tool-call-parser; without it only named and \"required\" tool "
+                            "choices are served")
+    serve.add_argument("--tool-call-parser", default=None, choices=("hermes",),
+                       help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
+                            "(Qwen 2.5/3, Hermes)")
     serve.add_argument("--pd-kv-lease", type=float, default=60.0,
                        help="seconds a handed-over prompt's blocks stay reserved in the shared store for their "
                             "decode replica; past it they are freed and the prompt is recomputed (default: %(default)s)")

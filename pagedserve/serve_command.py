@@ -123,7 +123,9 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
                          data_parallel_size=args.data_parallel_size, routing_policy=args.routing_policy,
                          prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
                          prefill_config=args.prefill_config, decode_config=args.decode_config,
-                         pd_min_prompt_tokens=args.pd_min_prompt_tokens, pd_kv_lease=args.pd_kv_lease)
+                         pd_min_prompt_tokens=args.pd_min_prompt_tokens, pd_kv_lease=args.pd_kv_lease,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         tool_call_parser=args.tool_call_parser)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:

@@ -185,6 +185,10 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                        functions=[{"name": "f"}])
     assert info.value.body["param"] == "functions"
+    with pytest.raises(openai.BadRequestError) as info:  # "auto", tools' default, needs a parser this server lacks
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert info.value.body["param"] == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
     client.completions.create(model=server.model, prompt="hi", max_tokens=2, user="u-1")  # harmless: accepted
 
     wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)

@@ -19,7 +19,9 @@ import ray
 import torch
 
 from coordinator.async_engine import AsyncEngine
+from coordinator.openai_tools import tool_call_plan
 from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
+from coordinator.server_options import ServerOptions
 from coordinator.structured_output import GrammarCompiler, fill_bitmasks
 from pagedserve import LLM
 from pagedserve.client import Client
@@ -231,7 +233,7 @@ def test_the_bitmask_masks_only_its_rows_and_both_unpacks_agree():
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, distributed_executor_backend="uni")
-    with running_coordinator(config) as (actor, target):
+    with running_coordinator(config, enable_auto_tool_choice=True, tool_call_parser="hermes") as (actor, target):
         port = ray.get(actor.status.remote())["http_port"]
         yield SimpleNamespace(target=target, url=f"http://127.0.0.1:{port}/v1", model=tiny_llama)
 
@@ -336,9 +338,7 @@ def test_http_named_and_required_tool_choice_return_valid_tool_calls(server):
 
 def test_http_tool_choices_the_server_cannot_honour_are_400s_naming_the_field(server):
     client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
-    cases = [({"tools": TOOLS}, "tool_choice", '"auto"'),  # auto is the default with tools
-             ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call parser"),
-             ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    cases = [({"tool_choice": "required"}, "tool_choice", "needs tools"),
              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
               "'nope'"),
              ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
@@ -355,3 +355,49 @@ def test_http_tool_choices_the_server_cannot_honour_are_400s_naming_the_field(se
     with Client(server.target) as grpc_client:  # nothing was left behind by the refusals
         stats = grpc_client.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_http_auto_tool_choice_finds_hermes_calls_in_the_text_and_streams_the_text_before_them(server):
+    """The server runs with --enable-auto-tool-choice --tool-call-parser hermes. A random model
+    writes no tags of its own, so a regex (structured outputs, which "auto" leaves free) makes it
+    write text and then a call in Hermes' tags."""
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    hermes = r'[a-z]{3,6} <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}</tool_call>'
+    body = {"tools": TOOLS, "temperature": 1.0, "seed": 3, "extra_body": {"structured_outputs": {"regex": hermes}}}
+    choice = _chat(client, server, **body).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert re.fullmatch("[a-z]{3,6}", choice.message.content)  # the text before the call, stripped
+    chunks = [c for c in _chat(client, server, stream=True, **body) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert text.strip() == choice.message.content and "<" not in text  # no piece of a tag leaks as content
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Text with no call is the reply's content, streamed as it comes.
+    plain = _chat(client, server, tools=TOOLS, temperature=0.0, max_completion_tokens=6,
+                  extra_body={"ignore_eos": True}).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "length" and plain.message.content
+    streamed = [c for c in _chat(client, server, tools=TOOLS, temperature=0.0, max_completion_tokens=6, stream=True,
+                                 extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.message.content
+
+
+def test_hermes_parsing_and_what_may_stream_before_a_call():
+    plan = tool_call_plan(TOOLS, "auto", None, auto_parser="hermes")
+    assert plan.structured_outputs() is None  # the model writes freely
+    content, calls = plan.parse('Sure. <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+                                '<tool_call>{"name": "b", "arguments": "{}"}</tool_call>')
+    assert content == "Sure." and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("a", '{"x": 1}'), ("b", "{}")]
+    assert plan.parse('<tool_call>{"name": "a", "argum') == ('<tool_call>{"name": "a", "argum', None)  # cut short
+    assert plan.parse("no call") == ("no call", None)
+    assert plan.streamable("Hello <tool") == "Hello " and plan.streamable("Hello <tool_call>{") == "Hello "
+    assert plan.streamable("a < b") == "a < b" and plan.streamable("x<") == "x"
+    with pytest.raises(ValueError, match='tool_choice "auto"'):
+        tool_call_plan(TOOLS, None, None)  # no parser: "auto", the default with tools, is refused
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
+        ServerOptions(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
+        ServerOptions(enable_auto_tool_choice=True)
