@@ -8,7 +8,7 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 
 from __future__ import annotations
 
-from coordinator.openai_tools import ToolCallPlan
+from coordinator.openai_tools import ToolCallPlan, tool_call
 from coordinator.outputs import CompletionOutput, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM sends this floor instead
@@ -124,7 +124,7 @@ class CompletionFormat(_Choices):
 
 class ChatFormat(_Choices):
     """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None;
-    `tools`: how a reply becomes tool calls (a streamed choice then sends them whole as it ends)."""
+    `tools`: how a reply becomes tool calls."""
 
     def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None):
         super().__init__(n)
@@ -169,7 +169,10 @@ class ChatFormat(_Choices):
         if self.tools is None:
             return {"delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
                     "finish_reason": finish_reason}
-        # With tools, content streams only where it surely is content; calls come whole at the end.
+        if self.tools.named:
+            return self._arguments_delta(index, c, finish_reason)
+        # "required" and "auto": content streams only where it surely is content; calls come whole
+        # at the end, once the reply can be parsed.
         sent = self._sent.get(index, 0)
         if finish_reason is None:
             content = self.tools.streamable(c.text)
@@ -180,6 +183,20 @@ class ChatFormat(_Choices):
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return {"delta": delta, "finish_reason": finish_reason}
+
+    def _arguments_delta(self, index: int, c: CompletionOutput, finish_reason: str | None) -> dict:
+        """A named function's call streams as it is written, as vLLM streams it: the first delta
+        carries the call's id and name, the next ones pieces of its arguments."""
+        sent = self._sent.get(index)
+        piece = c.text[sent or 0:]
+        self._sent[index] = len(c.text)
+        if sent is None:
+            call = {"index": 0, **tool_call(self.tools.named, piece)}
+        elif piece:
+            call = {"index": 0, "function": {"arguments": piece}}
+        else:
+            return {"delta": {}, "finish_reason": finish_reason}
+        return {"delta": {"tool_calls": [call]}, "finish_reason": finish_reason}
 
     def _logprobs(self, steps: list[dict] | None, token_ids: list[int]) -> dict | None:
         if self.k is None or steps is None:

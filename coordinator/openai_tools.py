@@ -4,10 +4,10 @@ valid call.
 
 - `tool_choice` {"type": "function", "function": {"name": N}}: the reply is N's arguments (a JSON
   object matching its `parameters`); one call, finish reason "stop" (as OpenAI answers a forced
-  function).
+  function), streamed piece by piece as vLLM streams it.
 - `tool_choice` "required": the reply is a JSON array of one or more {"name", "parameters"} (one
   at most with `parallel_tool_calls` false), each matching its own tool; finish reason
-  "tool_calls".
+  "tool_calls"; streamed, the calls come whole once the array is.
 - `tool_choice` "none": the tools reach the chat template only; the reply is text.
 - "auto" (the default with tools): the model writes free text, in which the server's tool-call
   parser finds calls (`--enable-auto-tool-choice --tool-call-parser hermes`, as vLLM's flags);
@@ -57,10 +57,10 @@ class ToolCallPlan:
         except ValueError:
             return text, None
         if self.named:
-            return (None, [_call(self.named, text)]) if isinstance(value, dict) else (text, None)
+            return (None, [tool_call(self.named, text)]) if isinstance(value, dict) else (text, None)
         if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
             return text, None
-        return None, [_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+        return None, [tool_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
 
     def streamable(self, text: str) -> str:
         """The part of a reply still being written that is surely content: under "auto", the text
@@ -97,12 +97,13 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict] | None]:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return text, None
         arguments = value.get("arguments", {})
-        calls.append(_call(value["name"], arguments if isinstance(arguments, str)
+        calls.append(tool_call(value["name"], arguments if isinstance(arguments, str)
                            else json.dumps(arguments, ensure_ascii=False)))
     return text[:start].strip() or None, calls
 
 
-def _call(name: str, arguments: str) -> dict:
+def tool_call(name: str, arguments: str) -> dict:
+    """One call in OpenAI's shape, with an id of its own."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 

@@ -309,14 +309,24 @@ def test_http_named_and_required_tool_choice_return_valid_tool_calls(server):
         (call,) = choice.message.tool_calls  # parallel_tool_calls false: exactly one
         schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
-    # A streamed call arrives whole in the last chunk, in the SDK's delta shape.
-    chunks = list(_chat(client, server, tools=TOOLS, tool_choice=named, temperature=0.0, stream=True))
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if c.choices]
+    # A named call streams as it is written: the id and name first, then pieces of the arguments.
+    chunks = [c for c in _chat(client, server, tools=TOOLS, tool_choice=named, temperature=0.0, stream=True)
+              if c.choices]
+    pieces = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     greedy = _chat(client, server, tools=TOOLS, tool_choice=named, temperature=0.0).choices[0].message.tool_calls[0]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
-    assert calls[0].function.arguments == greedy.function.arguments
-    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert pieces[0].id.startswith("chatcmpl-tool-") and pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:]) and len(pieces) > 2
+    assert "".join(p.function.arguments for p in pieces) == greedy.function.arguments
+    assert not any(c.choices[0].delta.content for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # "required" calls come whole once the array is.
+    chunks = [c for c in _chat(client, server, tools=TOOLS, tool_choice="required", temperature=0.0, stream=True)
+              if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    whole = _chat(client, server, tools=TOOLS, tool_choice="required", temperature=0.0).choices[0].message.tool_calls
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == \
+        [(i, tc.function.name, tc.function.arguments) for i, tc in enumerate(whole)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and calls[0].id.startswith("chatcmpl-tool-")
     # tool_choice "none": plain text, as without tools (greedy, so the same tokens)
     plain = _chat(client, server, temperature=0.0, max_completion_tokens=8, extra_body={"ignore_eos": True})
     none = _chat(client, server, tools=TOOLS, tool_choice="none", temperature=0.0, max_completion_tokens=8,
