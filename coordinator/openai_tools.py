@@ -1,6 +1,6 @@
-"""Tool calling over the chat API, as vLLM serves it without a tool-call parser: the reply is
-constrained to the tools' JSON schemas by structured outputs, so what comes back is always a
-valid call.
+"""Tool calling over the chat API, as vLLM serves it. A named or "required" tool choice
+constrains the reply to the tools' JSON schemas by structured outputs, so what comes back is a
+valid call; "auto" leaves the text free and a parser finds the calls in it.
 
 - `tool_choice` {"type": "function", "function": {"name": N}}: the reply is N's arguments (a JSON
   object matching its `parameters`); one call, finish reason "stop" (as OpenAI answers a forced
@@ -81,7 +81,6 @@ class ToolCallPlan:
 # between these tags, after any text.
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|$)", re.DOTALL)
-TOOL_CALL_PARSERS = ("hermes",)
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[dict] | None]:

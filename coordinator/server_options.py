@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
 ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py
-TOOL_CALL_PARSERS = ("hermes",)  # coordinator/openai_tools.py's (this module imports nothing of ours)
+TOOL_CALL_PARSERS = ("hermes",)  # what coordinator/openai_tools.py parses
 
 
 @dataclass(slots=True)

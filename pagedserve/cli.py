@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from coordinator.server_options import ROUTING_POLICIES, TOOL_CALL_PARSERS
 from pagedserve.config import EngineConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine replicas behind this one server, each with its own scheduler, KV pool and "
                             "workers, spread over the Ray cluster's nodes (default: %(default)s)")
-    serve.add_argument("--routing-policy", default="auto", choices=("auto", "prefix", "least-loaded", "round-robin"),
+    serve.add_argument("--routing-policy", default="auto", choices=ROUTING_POLICIES,
                        help="how requests are sent to replicas: prefix (cached prefix against load; the auto "
                             "choice), least-loaded or round-robin (default: %(default)s)")
     serve.add_argument("--prefill-replicas", type=int, default=0,
@@ -115,16 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine settings of the decode replicas over the flags' values")
     serve.add_argument("--pd-min-prompt-tokens", type=int, default=0,
                        help="prompts shorter than this go straight to a decode replica (default: %(default)s)")
+    serve.add_argument("--pd-kv-lease", type=float, default=60.0,
+                       help="seconds a handed-over prompt's blocks stay reserved in the shared store for their "
+                            "decode replica; past it they are freed and the prompt is recomputed (default: %(default)s)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='serve tool_choice "auto" (the default with tools) over HTTP, finding calls in the '
                             "model's text with --tool-call-parser; without it only named and \"required\" tool "
                             "choices are served")
-    serve.add_argument("--tool-call-parser", default=None, choices=("hermes",),
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
                             "(Qwen 2.5/3, Hermes)")
-    serve.add_argument("--pd-kv-lease", type=float, default=60.0,
-                       help="seconds a handed-over prompt's blocks stay reserved in the shared store for their "
-                            "decode replica; past it they are freed and the prompt is recomputed (default: %(default)s)")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)
