@@ -203,6 +203,10 @@ class CoordinatorActor:
                 served = AsyncEngine(engine, options.max_queued_requests)
             else:
                 served = await self._load_replicas(config, options)
+            # Every replica shares the first one's input processor: the template is set once.
+            processor = served.llm_engine.input_processor
+            processor.chat_template = options.chat_template
+            processor.trust_request_chat_template = options.trust_request_chat_template
         except BaseException as e:
             await self._state.set_failed(f"the model failed to load: {e}")
             raise

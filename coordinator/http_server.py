@@ -161,8 +161,7 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
                     raise ValueError("add_special_tokens applies to a prompt; with messages the chat template "
                                      "places the special tokens")
                 ids = await asyncio.to_thread(
-                    processor.chat_prompt_ids, [m.as_dict() for m in body.messages],
-                    bool(body.add_generation_prompt), bool(body.continue_final_message))
+                    lambda: processor.chat_prompt_ids([m.as_dict() for m in body.messages], **body.chat_options()))
             elif body.prompt is not None:
                 add_special = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = await asyncio.to_thread(processor.tokenizer.encode, body.prompt, add_special_tokens=add_special)

@@ -14,40 +14,57 @@ from __future__ import annotations
 import json
 import operator
 
+from coordinator.chat_template import check_chat_template, check_template_kwargs
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured_output import GrammarCompiler
 
 
 class InputProcessor:
+    """`chat_template`: the template that replaces the tokenizer's (a server's --chat-template);
+    `trust_request_chat_template`: whether a request may bring its own (the offline API's caller
+    is the operator; a server trusts its clients only with --trust-request-chat-template)."""
+
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.chat_template: str | None = None
+        self.trust_request_chat_template = True
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return bool(self.chat_template or getattr(self.tokenizer, "chat_template", None))
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template: ready for a reply
-        (`add_generation_prompt`), or ending inside the last message, which the reply continues
-        (`continue_final_message`); `tools` go to templates that render them."""
+                        continue_final_message: bool = False, tools: list[dict] | None = None,
+                        chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the chat template (the request's `chat_template`,
+        else the server's, else the model's): ready for a reply (`add_generation_prompt`), or
+        ending inside the last message, which the reply continues (`continue_final_message`);
+        `tools` go to templates that render them; `chat_template_kwargs` are extra variables."""
         if not messages:
             raise ValueError("messages must not be empty")
-        if not self.has_chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt or token ids")
+        if chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise ValueError("chat_template: this server does not take chat templates from requests (start it "
+                                 "with --trust-request-chat-template to allow them, or --chat-template to set one)")
+            check_chat_template(chat_template)
+        kwargs = check_template_kwargs(chat_template_kwargs)
+        template = chat_template or self.chat_template
+        if template is None and not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt or token ids, or start the "
+                             "server with --chat-template")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        template = self.tokenizer.chat_template
-        messages = [_tool_calls_shown(m, template if isinstance(template, str) else "") for m in messages]
+        shown = template or self.tokenizer.chat_template
+        messages = [_tool_calls_shown(m, shown if isinstance(shown, str) else "") for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message)
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True,
+                                                     return_dict=False, add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # a template's own refusal (roles out of order, ...) is the client's to fix
-            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
         return list(ids)
 
     def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:

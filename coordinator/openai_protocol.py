@@ -26,8 +26,6 @@ _NOT_SUPPORTED = {
     "suffix": lambda v: not v,
     "functions": lambda v: not v,
     "function_call": lambda v: v == "none",
-    "chat_template": lambda v: not v,
-    "chat_template_kwargs": lambda v: not v,
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: not v,
     "prediction": lambda v: not v,
@@ -220,6 +218,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's: a template in place of the model's (if the server trusts requests with one), and
+    # extra variables for the template (coordinator/chat_template.py)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -271,7 +271,7 @@ class ChatCompletionRequest(_GenerationRequest):
                    "continue_final_message": bool(self.continue_final_message)}
         if self.tools:  # for templates that describe tools to the model (SmolLM2's does not)
             options["tools"] = self.tools
-        return options
+        return options | _template_options(self)
 
 
 class TokenizeRequest(_Body):
@@ -281,6 +281,18 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> dict:
+        return {"add_generation_prompt": bool(self.add_generation_prompt),
+                "continue_final_message": bool(self.continue_final_message)} | _template_options(self)
+
+
+def _template_options(body) -> dict:
+    """A chat body's template fields as chat_prompt_ids' keyword arguments (those it set)."""
+    return {name: getattr(body, name) for name in ("chat_template", "chat_template_kwargs")
+            if getattr(body, name) is not None}
 
 
 class DetokenizeRequest(_Body):

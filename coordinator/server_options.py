@@ -1,8 +1,9 @@
 """How the coordinator serves: addresses, admission limit, auth, TLS and the metrics endpoint.
 
 The engine's own configuration is `pagedserve.config.EngineConfig`; these are the front door's
-options, one object for `CoordinatorActor.start`. This module imports nothing of ours (no gRPC,
-no engine), so the CLI checks the options before it starts Ray.
+options, one object for `CoordinatorActor.start`. This module imports nothing of ours but the
+torch-free chat template check (no gRPC, no engine), so the CLI checks the options before it
+starts Ray.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class ServerOptions:
     # parser finding calls in the model's text (vLLM's two flags; the first needs the second).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The chat template (its text) in place of the model's, for every chat request of both doors;
+    # whether requests may bring their own (vLLM's --chat-template, --trust-request-chat-template).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -105,7 +110,11 @@ class ServerOptions:
         if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes): the parser that finds "
                              "tool calls in the model's text")
-        for name in ("default_metrics", "http", "enable_auto_tool_choice"):
+        if self.chat_template is not None:
+            from coordinator.chat_template import check_chat_template
+
+            check_chat_template(self.chat_template)
+        for name in ("default_metrics", "http", "enable_auto_tool_choice", "trust_request_chat_template"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
                             "(Qwen 2.5/3, Hermes)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template inline) in place of the model's, for "
+                            "chat requests of both APIs; needed for a model without one")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let HTTP requests bring their own chat_template (refused otherwise: a template is "
+                            "code the server runs, sandboxed)")
 
     demo = sub.add_parser("demo", help="an offline demo: stream a few prompts through the engine in this process")
     add_engine_flags(demo)

@@ -61,11 +61,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations (`[{"role": ..., "content": ...}, ...]`, or a list of
-        them) through the model's chat template."""
+        them) through the model's chat template, or `chat_template` (Jinja) in its place, with
+        `chat_template_kwargs` as extra variables of the template (vLLM's `LLM.chat` arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.input_processor.chat_prompt_ids(c)} for c in conversations]
+        render = self.engine.input_processor.chat_prompt_ids
+        prompts = [{"prompt_token_ids": render(c, add_generation_prompt, continue_final_message, tools, chat_template,
+                                               chat_template_kwargs)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

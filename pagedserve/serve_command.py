@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+from coordinator.chat_template import load_chat_template
 from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 
@@ -125,7 +126,9 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
                          prefill_config=args.prefill_config, decode_config=args.decode_config,
                          pd_min_prompt_tokens=args.pd_min_prompt_tokens, pd_kv_lease=args.pd_kv_lease,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser,
+                         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+                         trust_request_chat_template=args.trust_request_chat_template)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
