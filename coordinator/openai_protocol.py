@@ -11,6 +11,7 @@ outputs come as OpenAI's `response_format` (json_object, json_schema) or vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -247,7 +248,10 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError("tool_choice and response_format / structured_outputs cannot both constrain "
                                  "the reply; send one")
             structured = tools.structured_outputs()
-        return self._sampling_params(max_tokens, logprobs, structured=structured)
+        params = self._sampling_params(max_tokens, logprobs, structured=structured)
+        if tools is not None and tools.keeps_special_tokens and self.skip_special_tokens is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads them
+        return params
 
     def tool_call_plan(self, auto_parser: str | None = None) -> ToolCallPlan | None:
         """How the reply becomes tool calls (None: plain text); ValueError naming the field.

@@ -10,19 +10,20 @@ valid call; "auto" leaves the text free and a parser finds the calls in it.
   "tool_calls"; streamed, the calls come whole once the array is.
 - `tool_choice` "none": the tools reach the chat template only; the reply is text.
 - "auto" (the default with tools): the model writes free text, in which the server's tool-call
-  parser finds calls (`--enable-auto-tool-choice --tool-call-parser hermes`, as vLLM's flags);
+  parser finds calls (`--enable-auto-tool-choice --tool-call-parser hermes`, or mistral,
+  llama3_json, pythonic: coordinator/tool_parsers.py; vLLM's flags);
   without those flags it is refused, naming the choices that work (as vLLM refuses it).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.sampling_params import StructuredOutputsParams
+from coordinator.tool_parsers import PARSERS
 
 _ANY_OBJECT = {"type": "object"}  # a tool without `parameters` takes any object (OpenAI's reading)
 
@@ -31,7 +32,7 @@ _ANY_OBJECT = {"type": "object"}  # a tool without `parameters` takes any object
 class ToolCallPlan:
     """How a reply becomes tool calls. `named`: the reply is that tool's arguments; `schema`
     without `named`: "required", the reply is an array of {"name", "parameters"}; neither: "auto",
-    free text in which the parser (`hermes`) finds calls."""
+    free text in which the parser (`--tool-call-parser`) finds calls."""
 
     named: str | None
     schema: dict | None
@@ -51,7 +52,8 @@ class ToolCallPlan:
         """(content, tool calls in OpenAI's shape) of a whole reply. A reply that holds no whole
         call (cut short by max_tokens or a stop string, or plain text under "auto") is content."""
         if self.parser is not None:
-            return _parse_hermes(text)
+            content, calls = PARSERS[self.parser].parse(text)
+            return content, None if calls is None else [tool_call(name, arguments) for name, arguments in calls]
         try:
             value = json.loads(text)
         except ValueError:
@@ -63,42 +65,15 @@ class ToolCallPlan:
         return None, [tool_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
 
     def streamable(self, text: str) -> str:
-        """The part of a reply still being written that is surely content: under "auto", the text
-        before a call begins (less a tail that may be the start of one); otherwise nothing, as the
-        reply is one call."""
-        if self.parser is None:
-            return ""
-        start = text.find(HERMES_START)
-        if start >= 0:
-            return text[:start]
-        for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-            if HERMES_START.startswith(text[-keep:]):
-                return text[:-keep]
-        return text
+        """The part of a reply still being written that is surely content: under "auto", what the
+        parser knows is no call (coordinator/tool_parsers.py); otherwise nothing, as the reply is
+        one call."""
+        return "" if self.parser is None else PARSERS[self.parser].streamable(text)
 
-
-# Hermes' format (Qwen 2.5/3, Hermes 2/3, and others): each call a JSON {"name", "arguments"}
-# between these tags, after any text.
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|$)", re.DOTALL)
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[dict] | None]:
-    start = text.find(HERMES_START)
-    if start < 0:
-        return text, None
-    calls = []
-    for body in _HERMES_CALL.findall(text[start:]):
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return text, None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return text, None
-        arguments = value.get("arguments", {})
-        calls.append(tool_call(value["name"], arguments if isinstance(arguments, str)
-                           else json.dumps(arguments, ensure_ascii=False)))
-    return text[:start].strip() or None, calls
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the parser reads special tokens (Mistral's [TOOL_CALLS]) in the reply's text."""
+        return self.parser is not None and PARSERS[self.parser].keeps_special_tokens
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -145,9 +120,9 @@ def tool_call_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_call
         return ToolCallPlan(None, None, auto_parser)
     if tool_choice == "auto":
         raise ValueError('tool_choice "auto" (the default when tools are set) needs a tool-call parser: start '
-                         'the server with --enable-auto-tool-choice --tool-call-parser hermes (for models that '
-                         'write <tool_call> tags), or send tool_choice "required", '
-                         '{"type": "function", "function": {"name": ...}} or "none"')
+                         'the server with --enable-auto-tool-choice --tool-call-parser hermes (or mistral, '
+                         'llama3_json, pythonic: the format the model writes calls in), or send tool_choice '
+                         '"required", {"type": "function", "function": {"name": ...}} or "none"')
     if tool_choice == "required":
         one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                     "parameters": schema},

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
 ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py
-TOOL_CALL_PARSERS = ("hermes",)  # what coordinator/openai_tools.py parses
+TOOL_CALL_PARSERS = ("hermes", "mistral", "llama3_json", "pythonic")  # coordinator/tool_parsers.py
 
 
 @dataclass(slots=True)

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "choices are served")
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
-                            "(Qwen 2.5/3, Hermes)")
+                            "(Qwen 2.5/3, Hermes); mistral, [TOOL_CALLS]; llama3_json, {\"name\", \"parameters\"} "
+                            "(Llama 3.1-3.3); pythonic, [f(a=1)] (Llama 3.2/4)")
     serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template inline) in place of the model's, for "
                             "chat requests of both APIs; needed for a model without one")

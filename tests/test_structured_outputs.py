@@ -407,7 +407,7 @@ def test_hermes_parsing_and_what_may_stream_before_a_call():
     assert plan.streamable("a < b") == "a < b" and plan.streamable("x<") == "x"
     with pytest.raises(ValueError, match='tool_choice "auto"'):
         tool_call_plan(TOOLS, None, None)  # no parser: "auto", the default with tools, is refused
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes"):
-        ServerOptions(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, mistral, llama3_json, pythonic"):
+        ServerOptions(tool_call_parser="granite")
     with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
         ServerOptions(enable_auto_tool_choice=True)

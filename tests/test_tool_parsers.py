@@ -1,0 +1,101 @@
+"""The tool-call parsers of tool_choice "auto" (coordinator/tool_parsers.py), one model family's
+format each: whole replies become calls (or stay content when they do not parse whole), and
+while a reply is written only what is surely content may stream. The served path (a live server
+with `--tool-call-parser hermes`) is tests/test_structured_outputs.py's; every parser goes
+through the same ToolCallPlan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.openai_protocol import ChatCompletionRequest
+from coordinator.openai_tools import tool_call_plan
+from coordinator.server_options import TOOL_CALL_PARSERS
+from coordinator.tool_parsers import PARSERS
+
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+         for name in ("get_weather", "add")]
+WEATHER = ("get_weather", {"city": "Paris", "days": 2})
+ADD = ("add", {"a": 1.5, "b": [1, "x"]})
+
+
+def parsed(parser: str, text: str):
+    """(content, [(name, arguments as a dict)]) through the plan a request would get."""
+    content, calls = tool_call_plan(TOOLS, "auto", None, auto_parser=parser).parse(text)
+    if calls is not None:
+        assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return content, calls
+
+
+def test_every_parser_the_server_names_exists():
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("hermes", 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+               '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1.5, "b": [1, "x"]}}</tool_call>',
+     "Let me check."),
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+               '{"name": "add", "arguments": {"a": 1.5, "b": [1, "x"]}}]</tool_call>', None),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1.5, "b": [1, "x"]}}]', "Sure."),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]add[ARGS]'
+                '{"a": 1.5, "b": [1, "x"]}', None),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+                    '{"name": "add", "parameters": {"a": 1.5, "b": [1, "x"]}}', None),
+    ("llama3_json", ' {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+                    '{"name": "add", "parameters": {"a": 1.5, "b": [1, "x"]}}\n', None),
+    ("pythonic", '[get_weather(city="Paris", days=2), add(a=1.5, b=[1, \'x\'])]', None),
+])
+def test_calls_are_found_in_each_format(parser, text, content):
+    assert parsed(parser, text) == (content, [WEATHER, ADD])
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'The weather is fine.'),
+    ("hermes", '<tool_call>{"name": "get_weather", "argum'),  # cut short by max_tokens
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci'),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}'),  # no [ARGS]
+    ("llama3_json", 'Paris is sunny; {"name": "add"}'),  # text first: a reply, not a call
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}} and more'),
+    ("llama3_json", '{"city": "Paris"}'),  # JSON, but no call
+    ("pythonic", '[1, 2, 3] are numbers'),
+    ("pythonic", '[get_weather("Paris")]'),  # a positional argument has no name to go under
+    ("pythonic", '[get_weather(city=input())]'),  # not a literal: never evaluated
+    ("pythonic", '[os.system(cmd="ls")]'),
+    ("pythonic", '[]'),
+])
+def test_what_does_not_parse_whole_is_content(parser, text):
+    assert parsed(parser, text) == (text, None)
+
+
+@pytest.mark.parametrize("parser, partial, streamable", [
+    ("hermes", "Hello <tool", "Hello "),
+    ("hermes", "Hello <tool_call>{", "Hello "),
+    ("hermes", "a < b", "a < b"),
+    ("mistral", "Sure.[TOOL_", "Sure."),
+    ("mistral", "a [b] c", "a [b] c"),
+    ("llama3_json", "  ", ""),
+    ("llama3_json", "<|python", ""),
+    ("llama3_json", '{"name": "get', ""),
+    ("llama3_json", "Paris is", "Paris is"),
+    ("pythonic", "[get_weather(", ""),
+    ("pythonic", "It is sunny", "It is sunny"),
+])
+def test_only_what_is_surely_content_streams(parser, partial, streamable):
+    assert tool_call_plan(TOOLS, "auto", None, auto_parser=parser).streamable(partial) == streamable
+
+
+def test_mistral_replies_keep_their_special_tokens():
+    """[TOOL_CALLS] is a special token: skipped in the text, the parser would never see it."""
+    def params(parser, **fields):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, **fields)
+        return body.sampling_params(body.tool_call_plan(parser))
+
+    assert params("mistral").skip_special_tokens is False
+    assert params("mistral", skip_special_tokens=True).skip_special_tokens is True  # the client's word stands
+    assert params("hermes").skip_special_tokens is True
