@@ -196,7 +196,8 @@ class KVStore:
         self._valid[:] = 0
         self._server = None
         self._stop_touching = threading.Event()
-        threading.Thread(target=self._touch_pages, name="kvstore-touch", daemon=True).start()
+        self._toucher = threading.Thread(target=self._touch_pages, name="kvstore-touch", daemon=True)
+        self._toucher.start()
         if transport == "grpc":
             from dataclasses import replace
 
@@ -217,7 +218,7 @@ class KVStore:
         had never touched, 14 ms once touched; P/D handoffs' transfer time per request 130 ->
         25 ms (benchmarks/disaggregation.py). A read changes nothing, so it may run while
         workers write blocks."""
-        segment = np.frombuffer(self._shm.buf, np.uint8)  # held until done: close() copes (BufferError)
+        segment = np.frombuffer(self._shm.buf, np.uint8)  # held until done: close() waits for it
         for start in range(0, len(segment), TOUCH_CHUNK_BYTES):
             if self._stop_touching.is_set():
                 break
@@ -250,10 +251,15 @@ class KVStore:
         if self._shm is not None:
             self._valid = self._crc = self._data = None
             self._shm.unlink()  # the name goes now; the memory when the last mapping does
+            # The toucher stops at its next chunk (milliseconds); its view of the segment must be
+            # gone before the mapping closes.
+            self._toucher.join(timeout=5)
             try:
                 self._shm.close()
             except BufferError:
-                pass
+                # A view is still out (a gRPC reply being sent): the mapping closes with the last
+                # one. Dropped here, or SharedMemory.__del__ would try again and fail the same way.
+                self._shm._mmap = None
             self._shm = None
 
     def __del__(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import stat
@@ -145,6 +146,21 @@ def test_the_segment_gets_its_memory_in_the_background_and_keeps_what_was_writte
     for thread in touching:
         thread.join(5)
     assert not any(t.is_alive() for t in touching)
+
+
+def test_a_store_closed_while_it_touches_its_pages_closes_cleanly(monkeypatch):
+    """close() right after start: the toucher still holds a view of the segment. Closing the
+    mapping under it failed, and SharedMemory.__del__ failed again later (an exception Python can
+    only print); close() now waits for the toucher."""
+    failures = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: failures.append(u.exc_value))
+    for _ in range(3):
+        store = KVStore(num_blocks=128, tp_size=1, block_bytes=1 << 20)  # 128 MiB: touching takes a while
+        store.close()
+        assert not store._toucher.is_alive()
+        del store
+        gc.collect()
+    assert failures == []
 
 
 @pytest.mark.parametrize("transport, kind", [("shm", ShmSwapSpace), ("grpc", GrpcSwapSpace)])
