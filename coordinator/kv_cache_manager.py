@@ -176,6 +176,18 @@ class KVCacheManager:
         self.pending_loads = []
         self._num_registered = {}
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache, for measuring cold prefills):
+        only when no device block is in use, else nothing changes and False comes back. The CPU
+        tier forgets its free blocks too; blocks that swapped sequences hold keep their hashes."""
+        if self.pool.num_used:
+            return False
+        self.pool.forget_free()
+        if self.cpu_pool is not None:
+            with self.lock:
+                self.cpu_pool.forget_free()
+        return True
+
     def end_step(self, succeeded: bool = True) -> None:
         """The step's plan has run on the workers (or failed, `succeeded=False`): the CPU blocks it
         wrote enter the hash index (a failed step's never do: their data may be partial), its

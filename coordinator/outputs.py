@@ -56,3 +56,22 @@ class RequestOutput:
     # Set when the engine ended the request with an error (a poison request): a server answers
     # it with INTERNAL.
     error: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search` (vLLM's fields): `tokens` holds the prompt's and the beam's,
+    `text` the beam's alone."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]

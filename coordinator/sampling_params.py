@@ -260,3 +260,27 @@ def _check_int(name: str, value, low: int) -> None:
 def _check_number(name: str, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         raise ValueError(f"{name} must be a number; got {value!r}")
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, for `LLM.beam_search`: the best `beam_width` beams of up to
+    `max_tokens` tokens each (transformers' `generate(num_beams=k)` semantics, coordinator/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's form, which checks every value (ValueError naming the field)."""
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0.0 with beam search (beams are ranked by the model's own "
+                             f"logprobs); got {self.temperature!r}")
+        _check_int("beam_width", self.beam_width, low=1)
+        return SamplingParams(n=self.beam_width, use_beam_search=True,
+                              beam_width=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output, temperature=0.0)

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence as SequenceABC
 
 from coordinator.engine import LLMEngine
-from coordinator.outputs import RequestOutput
-from coordinator.sampling_params import SamplingParams
+from coordinator.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from coordinator.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
 PromptType = str | dict
@@ -96,6 +96,21 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best beams, best first (the
+        beams share their blocks while they search; coordinator/beam_search.py)."""
+        outs = self.generate(prompts, params.sampling_params(), use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.cumulative_logprob, c.text,
+                                                     c.finish_reason, c.stop_reason) for c in out.outputs])
+                for out in outs]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (device and CPU tier), as vLLM's `LLM.reset_prefix_cache`:
+        the next prompts are computed cold. False, and nothing forgotten, while a request holds
+        blocks (between `generate` calls none does)."""
+        return self.engine.scheduler.kv.reset_prefix_cache()
 
     def stats(self) -> dict:
         self.engine.refresh_stats()  # this thread runs the steps: the snapshot may be taken now

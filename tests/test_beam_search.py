@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from tests.test_parallel_sampling import _assert_all_free, _prompt
 
 NEW = 12
@@ -87,3 +87,23 @@ def test_beam_search_refuses_what_it_does_not_combine_with():
         SamplingParams(use_beam_search=True, stop=["x"])
     with pytest.raises(ValueError, match="early_stopping must be"):
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
+
+
+def test_llm_beam_search_is_vllms_api_over_the_same_search(tiny_llama, hf, bundled_tokenizer):
+    prompts = [_prompt(n, seed=s) for s, n in ((1, 5), (2, 17))]
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=NEW))
+        for prompt, out in zip(prompts, outs):
+            assert len(out.sequences) == 3
+            best = out.sequences[0]
+            generated = hf_beam(hf, prompt, 3)
+            assert best.tokens == prompt + generated  # the prompt's tokens, then the beam's
+            assert best.text == bundled_tokenizer.decode(generated, skip_special_tokens=True)
+            scores = [s.cum_logprob / (len(s.tokens) - len(prompt)) for s in out.sequences]
+            assert scores == sorted(scores, reverse=True)
+        for bad, field in ((dict(temperature=0.7), "temperature"), (dict(beam_width=0), "beam_width"),
+                           (dict(max_tokens=0), "max_tokens")):
+            with pytest.raises(ValueError, match=field):
+                llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(**{"beam_width": 2, "max_tokens": 4,
+                                                                                       **bad}))
+        _assert_all_free(llm)

@@ -9,7 +9,7 @@ from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import SequenceStatus
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
 from tests.test_kv_swap import TIGHT, _assert_all_free
 from tests.test_model_correctness import _generate, _prompts
 from tests.test_scheduler import make_seq, run_step
@@ -210,3 +210,30 @@ def test_a_long_tier_hit_loads_over_steps_under_the_load_budget_and_its_tail_a_t
     for seq in (decode, handed_over):
         sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
     assert kv.pool.num_used == 0 and cpu.num_used == 0
+
+
+def test_reset_prefix_cache_forgets_both_tiers_but_never_blocks_in_use(tiny_llama):
+    """vLLM's LLM.reset_prefix_cache: the next prompt is computed cold; refused (False, nothing
+    forgotten) while a request holds blocks."""
+    first = _prompts(1, seed=5, low=100, high=100)[0]
+    others = _prompts(6, seed=6, low=80, high=90)
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, max_num_batched_tokens=128) as llm:
+        want = _generate(llm, [first], max_new=8)
+        _generate(llm, others, max_new=8)  # the first prompt's blocks move to the CPU tier
+        cached = llm.stats()
+        assert cached["kv_blocks_cached"] > 0 and cached["cpu_blocks_cached"] > 0
+        llm.engine.add_request("holder", None, others[0], SamplingParams(max_tokens=4))
+        llm.engine.step()  # "holder" now holds device blocks
+        held = llm.stats()
+        assert llm.reset_prefix_cache() is False
+        after = llm.stats()
+        assert (after["kv_blocks_cached"], after["cpu_blocks_cached"]) == (held["kv_blocks_cached"],
+                                                                          held["cpu_blocks_cached"])
+        llm.engine.abort_request("holder")
+        llm.engine.step()
+        assert llm.reset_prefix_cache() is True
+        reset = llm.stats()
+        assert reset["kv_blocks_cached"] == 0 and reset["cpu_blocks_cached"] == 0
+        assert _generate(llm, [first], max_new=8) == want
+        assert llm.stats()["prefix_cache_hits"] == reset["prefix_cache_hits"]  # computed cold
+        _assert_all_free(llm)
