@@ -43,11 +43,13 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
 FINGERPRINT = f"pagedserve-{VERSION}"
 
 
-def build_app(state: ServerState, model_name: str, registry=None, tool_call_parser: str | None = None) -> FastAPI:
+def build_app(state: ServerState, model_name: str, registry=None, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work);
-    `tool_call_parser`: set, tool_choice "auto" is served with it."""
+    `tool_call_parser`: set, tool_choice "auto" is served with it; `reasoning_parser`: set, chat
+    replies carry their reasoning apart (`reasoning_content`)."""
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT, tool_call_parser)
+    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -249,9 +251,9 @@ class HttpServer:
     """
 
     def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.state = state
-        self.app = build_app(state, model_name, registry, tool_call_parser)
+        self.app = build_app(state, model_name, registry, tool_call_parser, reasoning_parser)
         self.tls = tls
         self.port = 0
         self._server: uvicorn.Server | None = None

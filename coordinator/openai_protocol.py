@@ -216,13 +216,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
-    functions: list[Any] | None = None
-    function_call: Any = None
     # vLLM's: a template in place of the model's (if the server trusts requests with one), and
     # extra variables for the template (coordinator/chat_template.py)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
+    functions: list[Any] | None = None
+    function_call: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 from __future__ import annotations
 
 from coordinator.openai_tools import ToolCallPlan, tool_call
+from coordinator.reasoning_parsers import ThinkParser
 from coordinator.outputs import CompletionOutput, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM sends this floor instead
@@ -124,13 +125,18 @@ class CompletionFormat(_Choices):
 
 class ChatFormat(_Choices):
     """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None;
-    `tools`: how a reply becomes tool calls."""
+    `tools`: how a reply becomes tool calls; `reasoning`: the server's reasoning parser, which
+    splits `reasoning_content` off the reply (`constrained`: the reply follows a grammar)."""
 
-    def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None):
+    def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None,
+                 reasoning: ThinkParser | None = None, constrained: bool = False):
         super().__init__(n)
         self.k = logprobs
         self.tools = tools
-        self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools)
+        self.reasoning = reasoning
+        self.constrained = constrained
+        self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools or reasoning)
+        self._reasoning_sent: dict[int, int] = {}  # choice -> characters of reasoning streamed
 
     def whole(self, out: RequestOutput) -> list[dict]:
         choices = []
@@ -142,8 +148,15 @@ class ChatFormat(_Choices):
         return choices
 
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """A whole reply's message fields (content, and its tool calls where it holds any) and
-        finish reason."""
+        """A whole reply's message fields (its reasoning where a parser splits it off, content,
+        and its tool calls where it holds any) and finish reason."""
+        if self.reasoning is None:
+            return self._content_message(text, finish_reason)
+        reasoning, text = self.reasoning.split(text, True, self.constrained)
+        message, finish_reason = self._content_message(text, finish_reason)
+        return {**message, "content": message["content"] or None, "reasoning_content": reasoning or None}, finish_reason
+
+    def _content_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         if self.tools is None:
             return {"content": text}, finish_reason
         content, calls = self.tools.parse(text)
@@ -166,30 +179,50 @@ class ChatFormat(_Choices):
         return [c for c in choices if c["delta"] or c["finish_reason"] or c["logprobs"] or self.tools is None]
 
     def _delta(self, index: int, c: CompletionOutput, finish_reason: str | None) -> dict:
+        if self.reasoning is None:
+            return self._content_delta(index, c.text, c.delta_text, finish_reason)
+        # Reasoning and content each stream as far as they are known; a tail that may be the
+        # start of a tag waits for the next output.
+        reasoning, text = self.reasoning.split(c.text, finish_reason is not None, self.constrained)
+        sent = self._reasoning_sent.get(index, 0)
+        step = self._content_delta(index, text, None, finish_reason)
+        if step["delta"].get("content") == "":
+            del step["delta"]["content"]
+        if reasoning and len(reasoning) > sent:
+            self._reasoning_sent[index] = len(reasoning)
+            step["delta"] = {"reasoning_content": reasoning[sent:], **step["delta"]}
+        return step
+
+    def _content_delta(self, index: int, text: str, delta_text: str | None, finish_reason: str | None) -> dict:
+        """The delta of the reply's content, `text` so far (`delta_text`: its new part, where the
+        engine's own delta is that, else it is what was not sent yet)."""
         if self.tools is None:
-            return {"delta": {"content": c.delta_text} if c.delta_text or not finish_reason else {},
+            if delta_text is None:
+                sent = self._sent.get(index, 0)
+                delta_text, self._sent[index] = text[sent:], max(sent, len(text))
+            return {"delta": {"content": delta_text} if delta_text or not finish_reason else {},
                     "finish_reason": finish_reason}
         if self.tools.named:
-            return self._arguments_delta(index, c, finish_reason)
+            return self._arguments_delta(index, text, finish_reason)
         # "required" and "auto": content streams only where it surely is content; calls come whole
         # at the end, once the reply can be parsed.
         sent = self._sent.get(index, 0)
         if finish_reason is None:
-            content = self.tools.streamable(c.text)
+            content = self.tools.streamable(text)
             self._sent[index] = max(sent, len(content))
             return {"delta": {"content": content[sent:]} if len(content) > sent else {}, "finish_reason": None}
-        message, finish_reason = self._message(c.text, finish_reason)
+        message, finish_reason = self._content_message(text, finish_reason)
         delta = {"content": message["content"][sent:]} if len(message["content"] or "") > sent else {}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return {"delta": delta, "finish_reason": finish_reason}
 
-    def _arguments_delta(self, index: int, c: CompletionOutput, finish_reason: str | None) -> dict:
+    def _arguments_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
         """A named function's call streams as it is written, as vLLM streams it: the first delta
         carries the call's id and name, the next ones pieces of its arguments."""
         sent = self._sent.get(index)
-        piece = c.text[sent or 0:]
-        self._sent[index] = len(c.text)
+        piece = text[sent or 0:]
+        self._sent[index] = len(text)
         if sent is None:
             call = {"index": 0, **tool_call(self.tools.named, piece)}
         elif piece:

@@ -19,6 +19,7 @@ from coordinator.async_engine import AsyncEngine
 from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
 from coordinator.openai_responses import ChatFormat, CompletionFormat, prompt_logprobs_json, usage
 from coordinator.outputs import RequestOutput
+from coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
 from coordinator.sampling_params import SamplingParams
 
 
@@ -112,11 +113,13 @@ class OpenAIServing:
     refusals are raised before any chunk."""
 
     def __init__(self, model_name: str, request_timeout: float | None, fingerprint: str,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.model_name = model_name
         self.request_timeout = request_timeout
         self.fingerprint = fingerprint
         self.tool_call_parser = tool_call_parser  # set: tool_choice "auto" is served (openai_tools.py)
+        # set: chat replies' reasoning comes apart from their content (reasoning_parsers.py)
+        self.reasoning = None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]
 
     def _head(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
@@ -147,7 +150,7 @@ class OpenAIServing:
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
-        fmt = ChatFormat(params.n, params.logprobs, tools)
+        fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning, params.structured_outputs is not None)
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DEFAULT_HTTP_PORT = 8000  # vLLM's: `curl localhost:8000/v1/...` works as it does there
 ROUTING_POLICIES = ("auto", "prefix", "least-loaded", "round-robin")  # coordinator/router.py
 TOOL_CALL_PARSERS = ("hermes", "mistral", "llama3_json", "pythonic")  # coordinator/tool_parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # coordinator/reasoning_parsers.py
 
 
 @dataclass(slots=True)
@@ -56,6 +57,8 @@ class ServerOptions:
     # whether requests may bring their own (vLLM's --chat-template, --trust-request-chat-template).
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    # Chat replies' reasoning (<think>...</think>) returned as `reasoning_content` (vLLM's flag).
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -107,6 +110,9 @@ class ServerOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes): the parser that finds "
                              "tool calls in the model's text")

@@ -24,6 +24,15 @@ from collections.abc import Callable
 Calls = list[tuple[str, str]]  # (function name, arguments as JSON text)
 
 
+def held_back(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could be the beginning of `tag` (held from a stream
+    until the next characters tell)."""
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
 def _arguments_json(arguments) -> str | None:
     """A call's arguments as JSON text (an object, or text already), None if neither."""
     if isinstance(arguments, str):
@@ -73,12 +82,7 @@ class TaggedParser:
 
     def streamable(self, text: str) -> str:
         start = text.find(self.marker)
-        if start >= 0:
-            return text[:start]
-        for keep in range(min(len(self.marker) - 1, len(text)), 0, -1):  # a marker may be starting
-            if self.marker.startswith(text[-keep:]):
-                return text[:-keep]
-        return text
+        return text[:start] if start >= 0 else text[:len(text) - held_back(text, self.marker)]
 
 
 class LeadingParser:

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from coordinator.server_options import ROUTING_POLICIES, TOOL_CALL_PARSERS
+from coordinator.server_options import REASONING_PARSERS, ROUTING_POLICIES, TOOL_CALL_PARSERS
 from pagedserve.config import EngineConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
                             "(Qwen 2.5/3, Hermes); mistral, [TOOL_CALLS]; llama3_json, {\"name\", \"parameters\"} "
                             "(Llama 3.1-3.3); pythonic, [f(a=1)] (Llama 3.2/4)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="return a thinking model's <think> block as reasoning_content, apart from the "
+                            "content: deepseek_r1 (the reply starts inside it), qwen3 (an explicit <think>)")
     serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template inline) in place of the model's, for "
                             "chat requests of both APIs; needed for a model without one")

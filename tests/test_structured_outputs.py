@@ -233,7 +233,8 @@ def test_the_bitmask_masks_only_its_rows_and_both_unpacks_agree():
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, distributed_executor_backend="uni")
-    with running_coordinator(config, enable_auto_tool_choice=True, tool_call_parser="hermes") as (actor, target):
+    with running_coordinator(config, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                             reasoning_parser="qwen3") as (actor, target):
         port = ray.get(actor.status.remote())["http_port"]
         yield SimpleNamespace(target=target, url=f"http://127.0.0.1:{port}/v1", model=tiny_llama)
 
@@ -411,3 +412,23 @@ def test_hermes_parsing_and_what_may_stream_before_a_call():
         ServerOptions(tool_call_parser="granite")
     with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
         ServerOptions(enable_auto_tool_choice=True)
+
+
+def test_http_reasoning_comes_apart_from_the_content(server):
+    """The server runs with --reasoning-parser qwen3. A regex makes the random model think in
+    <think> tags, then answer and call a tool; replies without the tags are all content."""
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    shape = (r'<think>[a-z]{3,8} [a-z]{3,8}</think>[a-z]{2,6} <tool_call>\{"name": "get_weather", '
+             r'"arguments": \{"city": "Oslo"\}\}</tool_call>')
+    body = {"tools": TOOLS, "temperature": 1.0, "seed": 5, "extra_body": {"structured_outputs": {"regex": shape}}}
+    message = _chat(client, server, **body).choices[0].message
+    assert re.fullmatch("[a-z]{3,8} [a-z]{3,8}", message.reasoning_content)
+    assert re.fullmatch("[a-z]{2,6}", message.content)
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    chunks = [c for c in _chat(client, server, stream=True, **body) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas).strip() == message.content
+    assert [tc.function.arguments for d in deltas for tc in (d.tool_calls or [])] == ['{"city": "Oslo"}']
+    plain = _chat(client, server, temperature=0.0, max_completion_tokens=6, extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.content and plain.choices[0].message.reasoning_content is None

@@ -1,0 +1,84 @@
+"""Reasoning parsers (`--reasoning-parser`, coordinator/reasoning_parsers.py): a thinking model's
+<think> block comes back as `reasoning_content`, apart from `content`, whole and streamed, and
+what streams adds up to the whole reply's fields (the served path is tested live in
+tests/test_structured_outputs.py, whose server runs with the qwen3 parser)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.openai_responses import ChatFormat
+from coordinator.openai_tools import tool_call_plan
+from coordinator.outputs import CompletionOutput, RequestOutput
+from coordinator.reasoning_parsers import PARSERS
+from coordinator.server_options import REASONING_PARSERS, ServerOptions
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_every_parser_the_server_names_exists():
+    assert tuple(PARSERS) == REASONING_PARSERS
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        ServerOptions(reasoning_parser="granite")
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    ("deepseek_r1", "Let me think.\n</think>\n\nParis.", "Let me think.\n", "Paris."),
+    ("deepseek_r1", "<think>Hmm.</think>Paris.", "Hmm.", "Paris."),
+    ("deepseek_r1", "Still thinking when max_tokens came", "Still thinking when max_tokens came", ""),
+    ("qwen3", "<think>\nHmm.\n</think>\n\nParis.", "\nHmm.\n", "Paris."),
+    ("qwen3", "Paris, without thinking.", None, "Paris, without thinking."),
+    ("qwen3", "<think>cut short", "cut short", ""),
+    ("qwen3", "<thi", None, "<thi"),
+])
+def test_a_whole_reply_splits_into_reasoning_and_content(parser, text, reasoning, content):
+    assert PARSERS[parser].split(text) == (reasoning, content)
+
+
+def test_a_constrained_reply_opens_no_think_block_unless_it_writes_one():
+    assert PARSERS["deepseek_r1"].split('{"a": 1}', constrained=True) == (None, '{"a": 1}')
+    assert PARSERS["deepseek_r1"].split('<think>x</think>{"a": 1}', constrained=True) == ("x", '{"a": 1}')
+
+
+def _stream(fmt: ChatFormat, pieces: list[str], finish: str = "stop") -> list[dict]:
+    """The deltas of a reply that arrives in `pieces` (as the engine's outputs would)."""
+    deltas, text = [], ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", None, [1], [CompletionOutput(0, text, list(range(len(text))),
+                                                              finish if last else None, delta_text=piece,
+                                                              delta_token_ids=[0])], last)
+        deltas += [c["delta"] for c in fmt.deltas(out)]
+    return deltas
+
+
+@pytest.mark.parametrize("parser, pieces", [
+    ("deepseek_r1", ["Let", " me </", "thin", "k>\n", "\nPar", "is."]),
+    ("deepseek_r1", ["<th", "ink>Hm", "m.</think>", "Paris."]),
+    ("deepseek_r1", ["All", " reasoning <", "/thi"]),
+    ("qwen3", ["<", "think>", "Hmm", "</th", "ink>\n\nParis", "."]),
+    ("qwen3", ["<", "p>Paris", "</p>"]),
+    ("qwen3", ["<thi"]),
+])
+def test_streamed_reasoning_and_content_add_up_to_the_whole_reply(parser, pieces):
+    fmt = ChatFormat(1, None, reasoning=PARSERS[parser])
+    whole = fmt._message("".join(pieces), "stop")[0]
+    deltas = _stream(ChatFormat(1, None, reasoning=PARSERS[parser]), pieces)
+    streamed_reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    streamed_content = "".join(d.get("content") or "" for d in deltas)
+    assert streamed_reasoning == (whole["reasoning_content"] or "")
+    assert streamed_content == (whole["content"] or "")
+    assert not any("<" in d.get("content", "") and "think" in d.get("content", "") for d in deltas)
+
+
+def test_tool_calls_are_found_in_the_content_after_the_reasoning():
+    plan = tool_call_plan(TOOLS, "auto", None, auto_parser="hermes")
+    pieces = ["I should call it.</think>", "<tool_call>", '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+              "</tool_call>"]
+    whole, finish = ChatFormat(1, None, plan, PARSERS["deepseek_r1"])._message("".join(pieces), "stop")
+    assert whole["reasoning_content"] == "I should call it." and whole["content"] is None and finish == "tool_calls"
+    assert [c["function"]["name"] for c in whole["tool_calls"]] == ["get_weather"]
+    deltas = _stream(ChatFormat(1, None, plan, PARSERS["deepseek_r1"]), pieces)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
+    assert [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", [])] == ['{"city": "Oslo"}']
