@@ -78,7 +78,8 @@ class TaggedParser:
     def parse(self, text: str) -> tuple[str | None, Calls | None]:
         start = text.find(self.marker)
         calls = None if start < 0 else self._calls(text[start:])
-        return (text, None) if calls is None else (text[:start].strip() or None, calls)
+        # Only trailing whitespace goes: the content streamed so far is a prefix of this.
+        return (text, None) if calls is None else (text[:start].rstrip() or None, calls)
 
     def streamable(self, text: str) -> str:
         start = text.find(self.marker)

@@ -40,7 +40,7 @@ def test_a_constrained_reply_opens_no_think_block_unless_it_writes_one():
     assert PARSERS["deepseek_r1"].split('<think>x</think>{"a": 1}', constrained=True) == ("x", '{"a": 1}')
 
 
-def _stream(fmt: ChatFormat, pieces: list[str], finish: str = "stop") -> list[dict]:
+def stream_deltas(fmt: ChatFormat, pieces: list[str], finish: str = "stop") -> list[dict]:
     """The deltas of a reply that arrives in `pieces` (as the engine's outputs would)."""
     deltas, text = [], ""
     for i, piece in enumerate(pieces):
@@ -64,7 +64,7 @@ def _stream(fmt: ChatFormat, pieces: list[str], finish: str = "stop") -> list[di
 def test_streamed_reasoning_and_content_add_up_to_the_whole_reply(parser, pieces):
     fmt = ChatFormat(1, None, reasoning=PARSERS[parser])
     whole = fmt._message("".join(pieces), "stop")[0]
-    deltas = _stream(ChatFormat(1, None, reasoning=PARSERS[parser]), pieces)
+    deltas = stream_deltas(ChatFormat(1, None, reasoning=PARSERS[parser]), pieces)
     streamed_reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     streamed_content = "".join(d.get("content") or "" for d in deltas)
     assert streamed_reasoning == (whole["reasoning_content"] or "")
@@ -79,6 +79,6 @@ def test_tool_calls_are_found_in_the_content_after_the_reasoning():
     whole, finish = ChatFormat(1, None, plan, PARSERS["deepseek_r1"])._message("".join(pieces), "stop")
     assert whole["reasoning_content"] == "I should call it." and whole["content"] is None and finish == "tool_calls"
     assert [c["function"]["name"] for c in whole["tool_calls"]] == ["get_weather"]
-    deltas = _stream(ChatFormat(1, None, plan, PARSERS["deepseek_r1"]), pieces)
+    deltas = stream_deltas(ChatFormat(1, None, plan, PARSERS["deepseek_r1"]), pieces)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
     assert [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", [])] == ['{"city": "Oslo"}']

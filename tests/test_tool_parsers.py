@@ -99,3 +99,16 @@ def test_mistral_replies_keep_their_special_tokens():
     assert params("mistral").skip_special_tokens is False
     assert params("mistral", skip_special_tokens=True).skip_special_tokens is True  # the client's word stands
     assert params("hermes").skip_special_tokens is True
+
+
+def test_streamed_content_before_a_call_is_all_there():
+    """What streams before a call plus the last delta is the whole reply's content: stripping the
+    content's leading whitespace at the end once cut the characters streamed after it."""
+    from coordinator.openai_responses import ChatFormat
+    from tests.test_reasoning_parsers import stream_deltas
+
+    plan = tool_call_plan(TOOLS, "auto", None, auto_parser="hermes")
+    pieces = ["\n Let", " me <", "see <tool_call>", '{"name": "add", "arguments": {"a": 1}}</tool_call>']
+    streamed = "".join(d.get("content") or "" for d in stream_deltas(ChatFormat(1, None, plan), pieces))
+    content = ChatFormat(1, None, plan)._message("".join(pieces), "stop")[0]["content"]
+    assert content == "\n Let me <see" and streamed.rstrip() == content
