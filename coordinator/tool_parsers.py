@@ -58,7 +58,7 @@ def _json_values(text: str, separator: str = "") -> list | None:
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's text: anything may be in it
             return None
         values.append(value)
 
@@ -68,12 +68,11 @@ def _all_or_none(calls: list) -> Calls | None:
 
 
 class TaggedParser:
-    """Calls after a marker; the text before the first marker is content."""
+    """Calls after a marker; the text before the first marker is content. `keeps_special_tokens`:
+    the marker is a special token, which the reply's text must keep."""
 
-    keeps_special_tokens = False
-
-    def __init__(self, marker: str, calls: Callable[[str], Calls | None]):
-        self.marker, self._calls = marker, calls
+    def __init__(self, marker: str, calls: Callable[[str], Calls | None], keeps_special_tokens: bool = False):
+        self.marker, self._calls, self.keeps_special_tokens = marker, calls, keeps_special_tokens
 
     def parse(self, text: str) -> tuple[str | None, Calls | None]:
         start = text.find(self.marker)
@@ -143,7 +142,7 @@ def _llama3_calls(text: str) -> Calls | None:
 def _pythonic_calls(text: str) -> Calls | None:
     try:
         tree = ast.parse(text, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # a model's text: anything may be in it
         return None
     if not isinstance(tree, ast.List):
         return None
@@ -153,7 +152,7 @@ def _pythonic_calls(text: str) -> Calls | None:
             return None
         try:
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
         if len(arguments) != len(node.keywords):  # a **kwargs spread
             return None
@@ -161,13 +160,10 @@ def _pythonic_calls(text: str) -> Calls | None:
     return _all_or_none(calls)
 
 
-_MISTRAL = TaggedParser("[TOOL_CALLS]", _mistral_calls)
-_MISTRAL.keeps_special_tokens = True
-
 # The names are coordinator/server_options.py's TOOL_CALL_PARSERS (a test keeps them equal).
 PARSERS = {
     "hermes": TaggedParser("<tool_call>", _hermes_calls),
-    "mistral": _MISTRAL,
+    "mistral": TaggedParser("[TOOL_CALLS]", _mistral_calls, keeps_special_tokens=True),
     "llama3_json": LeadingParser(("<|python_tag|>", "{"), _llama3_calls),
     "pythonic": LeadingParser(("[",), _pythonic_calls),
 }

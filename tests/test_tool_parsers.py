@@ -68,6 +68,8 @@ def test_calls_are_found_in_each_format(parser, text, content):
     ("pythonic", '[get_weather(city=input())]'),  # not a literal: never evaluated
     ("pythonic", '[os.system(cmd="ls")]'),
     ("pythonic", '[]'),
+    ("pythonic", "[" * 5000 + "]" * 5000),  # nesting too deep for the parser: still just text
+    ("llama3_json", '{"name": "add", "parameters": ' + "[" * 50000 + "]" * 50000 + "}"),
 ])
 def test_what_does_not_parse_whole_is_content(parser, text):
     assert parsed(parser, text) == (text, None)
