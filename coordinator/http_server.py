@@ -44,12 +44,14 @@ FINGERPRINT = f"pagedserve-{VERSION}"
 
 
 def build_app(state: ServerState, model_name: str, registry=None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, served_model_names: list[str] | None = None) -> FastAPI:
     """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work);
     `tool_call_parser`: set, tool_choice "auto" is served with it; `reasoning_parser`: set, chat
-    replies carry their reasoning apart (`reasoning_content`)."""
+    replies carry their reasoning apart (`reasoning_content`); `served_model_names`: the ids
+    clients send instead of `model_name` (vLLM's --served-model-name: responses name the first)."""
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(model_name, state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
+    names = list(served_model_names or [model_name])
+    serving = OpenAIServing(names[0], state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -81,11 +83,13 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
         return state.engine
 
     def check_model(name: str | None) -> None:
-        aliases = {model_name, state.engine.llm_engine.model_name if state.engine is not None else model_name}
+        aliases = set(names)
+        if not served_model_names and state.engine is not None:
+            aliases.add(state.engine.llm_engine.model_name)
         if name and name not in aliases:
             state.reject("invalid_argument")
-            raise ApiError("not_found", f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           "model")
+            served = " or ".join(repr(n) for n in names)
+            raise ApiError("not_found", f"the model {name!r} does not exist; this server serves {served}", "model")
 
     guarded = [Depends(authorized)]
 
@@ -108,11 +112,12 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedserve",
-                "root": model_name, "parent": None}
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
+                  "root": model_name, "parent": None} for name in names]
         if state.engine is not None:
-            card["max_model_len"] = state.engine.llm_engine.input_processor.max_model_len
-        return {"object": "list", "data": [card]}
+            for card in cards:
+                card["max_model_len"] = state.engine.llm_engine.input_processor.max_model_len
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):
@@ -251,9 +256,10 @@ class HttpServer:
     """
 
     def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 served_model_names: list[str] | None = None):
         self.state = state
-        self.app = build_app(state, model_name, registry, tool_call_parser, reasoning_parser)
+        self.app = build_app(state, model_name, registry, tool_call_parser, reasoning_parser, served_model_names)
         self.tls = tls
         self.port = 0
         self._server: uvicorn.Server | None = None

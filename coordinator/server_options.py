@@ -59,6 +59,9 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     # Chat replies' reasoning (<think>...</think>) returned as `reasoning_content` (vLLM's flag).
     reasoning_parser: str | None = None
+    # The model ids HTTP clients send and responses carry (the first) in place of the model's
+    # path or alias (vLLM's --served-model-name); None: the model's own.
+    served_model_name: list[str] | None = None
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -110,6 +113,11 @@ class ServerOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {self.tool_call_parser!r}")
+        if self.served_model_name is not None and (
+                not isinstance(self.served_model_name, list) or not self.served_model_name
+                or not all(isinstance(n, str) and n.strip() for n in self.served_model_name)):
+            raise ValueError(f"served_model_name must be a list of one or more non-empty names; "
+                             f"got {self.served_model_name!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")

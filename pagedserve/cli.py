@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call> "
                             "(Qwen 2.5/3, Hermes); mistral, [TOOL_CALLS]; llama3_json, {\"name\", \"parameters\"} "
                             "(Llama 3.1-3.3); pythonic, [f(a=1)] (Llama 3.2/4)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model id(s) HTTP clients send, in place of --model's path or alias; responses "
+                            "carry the first")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return a thinking model's <think> block as reasoning_content, apart from the "
                             "content: deepseek_r1 (the reply starts inside it), qwen3 (an explicit <think>)")

@@ -1,7 +1,8 @@
 """Chat templates from the server and from requests, as vLLM takes them: `--chat-template` (a file
 or inline) gives a model without a template a chat API, for both doors; `chat_template_kwargs`
 reach the template as variables; a request's own `chat_template` is refused unless the server
-was started with `--trust-request-chat-template`. Offline, `LLM.chat` takes both arguments."""
+was started with `--trust-request-chat-template`. Offline, `LLM.chat` takes both arguments. The
+module's server also answers to names of its own (`--served-model-name`), as a vLLM server does."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ TEMPLATE = ("{% if persona is defined %}[persona: {{ persona }}]\n{% endif %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 OTHER = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}REPLY:"
 HI = [{"role": "user", "content": "Hi there"}]
+SERVED = ["house-model", "house-model-v2"]
 GREEDY = dict(temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
 
 
@@ -83,7 +85,7 @@ def test_llm_chat_takes_a_template_and_its_variables(no_template_model, bundled_
 def server(ray_session, no_template_model):
     """A server whose model has no template of its own, given one by the operator."""
     config = EngineConfig(model=no_template_model, kv_cache_memory=1 << 22, distributed_executor_backend="uni")
-    with running_coordinator(config, chat_template=TEMPLATE) as (actor, target):
+    with running_coordinator(config, chat_template=TEMPLATE, served_model_name=SERVED) as (actor, target):
         port = ray.get(actor.status.remote())["http_port"]
         yield actor, target, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
@@ -156,3 +158,16 @@ def test_a_trusting_server_takes_a_request_template(ray_session, tiny_llama, bun
         assert err.value.body["param"] == "chat_template" and "not a valid Jinja" in err.value.body["message"]
         stats = _idle(actor)
         assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_the_server_answers_to_its_served_names_only(server, no_template_model):
+    _, _, client = server
+    models = client.models.list().data
+    assert [m.id for m in models] == SERVED and all(m.root == no_template_model for m in models)
+    reply = client.completions.create(model=SERVED[1], prompt="Hello", max_tokens=2)
+    assert reply.model == SERVED[0]  # responses carry the first name, as vLLM's do
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model=no_template_model, prompt="Hello", max_tokens=2)
+    assert err.value.body["param"] == "model" and "'house-model' or 'house-model-v2'" in err.value.body["message"]
+    with pytest.raises(ValueError, match="served_model_name must be a list of one or more non-empty names"):
+        ServerOptions(served_model_name=[""])
