@@ -8,7 +8,7 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 
 from __future__ import annotations
 
-from coordinator.openai_tools import ToolCallPlan, tool_call
+from coordinator.openai_tools import ToolCallPlan, required_calls_written, tool_call
 from coordinator.reasoning_parsers import ThinkParser
 from coordinator.outputs import CompletionOutput, RequestOutput
 
@@ -137,6 +137,7 @@ class ChatFormat(_Choices):
         self.constrained = constrained
         self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools or reasoning)
         self._reasoning_sent: dict[int, int] = {}  # choice -> characters of reasoning streamed
+        self._calls_sent: dict[int, list[int]] = {}  # choice -> characters of each "required" call's arguments sent
 
     def whole(self, out: RequestOutput) -> list[dict]:
         choices = []
@@ -204,8 +205,10 @@ class ChatFormat(_Choices):
                     "finish_reason": finish_reason}
         if self.tools.named:
             return self._arguments_delta(index, text, finish_reason)
-        # "required" and "auto": content streams only where it surely is content; calls come whole
-        # at the end, once the reply can be parsed.
+        if self.tools.parser is None:
+            return self._required_delta(index, text, finish_reason)
+        # "auto": content streams only where it surely is content; calls come whole at the end,
+        # once the reply can be parsed.
         sent = self._sent.get(index, 0)
         if finish_reason is None:
             content = self.tools.streamable(text)
@@ -216,6 +219,32 @@ class ChatFormat(_Choices):
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return {"delta": delta, "finish_reason": finish_reason}
+
+    def _required_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        """"required" calls stream as they are written, as vLLM streams them: each call's first
+        delta carries its index, id and name, the next ones pieces of its arguments. A reply that
+        ends without a whole array is content, as it is unstreamed."""
+        sent = self._calls_sent.setdefault(index, [])  # per call begun: characters of arguments sent
+        if finish_reason is None:
+            written = [(name, arguments, None) for name, arguments, _ in required_calls_written(text)]
+        else:
+            message, finish_reason = self._content_message(text, finish_reason)
+            if "tool_calls" not in message:
+                return {"delta": {"content": message["content"]} if message["content"] else {},
+                        "finish_reason": finish_reason}
+            written = [(c["function"]["name"], c["function"]["arguments"], c) for c in message["tool_calls"]]
+        calls = []
+        for k, (name, arguments, whole) in enumerate(written):
+            if name is None:  # its name is still being written
+                break
+            if k == len(sent):
+                calls.append({"index": k, **(whole or tool_call(name, arguments)),
+                              "function": {"name": name, "arguments": arguments}})
+                sent.append(len(arguments))
+            elif len(arguments) > sent[k]:
+                calls.append({"index": k, "function": {"arguments": arguments[sent[k]:]}})
+                sent[k] = len(arguments)
+        return {"delta": {"tool_calls": calls} if calls else {}, "finish_reason": finish_reason}
 
     def _arguments_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
         """A named function's call streams as it is written, as vLLM streams it: the first delta

@@ -7,7 +7,7 @@ valid call; "auto" leaves the text free and a parser finds the calls in it.
   function), streamed piece by piece as vLLM streams it.
 - `tool_choice` "required": the reply is a JSON array of one or more {"name", "parameters"} (one
   at most with `parallel_tool_calls` false), each matching its own tool; finish reason
-  "tool_calls"; streamed, the calls come whole once the array is.
+  "tool_calls"; streamed as they are written (each call's name first, then its arguments).
 - `tool_choice` "none": the tools reach the chat template only; the reply is text.
 - "auto" (the default with tools): the model writes free text, in which the server's tool-call
   parser finds calls (`--enable-auto-tool-choice --tool-call-parser hermes`, or mistral,
@@ -62,7 +62,10 @@ class ToolCallPlan:
             return (None, [tool_call(self.named, text)]) if isinstance(value, dict) else (text, None)
         if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
             return text, None
-        return None, [tool_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+        # Each call's arguments as written (what streamed), not re-serialized.
+        written = required_calls_written(text)
+        return None, [tool_call(v["name"], arguments if v.get("parameters") is not None else "{}")
+                      for v, (_, arguments, _) in zip(value, written)]
 
     def streamable(self, text: str) -> str:
         """The part of a reply still being written that is surely content: under "auto", what the
@@ -74,6 +77,78 @@ class ToolCallPlan:
     def keeps_special_tokens(self) -> bool:
         """Whether the parser reads special tokens (Mistral's [TOOL_CALLS]) in the reply's text."""
         return self.parser is not None and PARSERS[self.parser].keeps_special_tokens
+
+
+def required_calls_written(text: str) -> list[tuple[str | None, str, bool]]:
+    """How far a "required" reply (a JSON array of {"name", "parameters"}) has got: per call
+    begun, (its name once whole, else None; its parameters' text so far; whether that is whole),
+    so that a stream can send each call's name and then its arguments as they are written."""
+    calls, at = [], _skip(text, 0)
+    if not text.startswith("[", at):
+        return calls
+    at += 1
+    while True:
+        at = _skip(text, at, ",")
+        if at >= len(text) or text[at] != "{":
+            return calls
+        name, arguments, whole, at = None, "", False, at + 1
+        calls.append((name, arguments, whole))
+        while True:
+            at = _skip(text, at, ",")
+            key_end = _value_end(text, at)
+            if key_end is None or text[at] != '"':
+                return calls
+            key = json.loads(text[at:key_end])
+            at = _skip(text, key_end, ":")
+            end = _value_end(text, at)
+            if key == "parameters":
+                arguments, whole = text[at:end if end is not None else len(text)], end is not None
+            elif key == "name" and end is not None:
+                name = json.loads(text[at:end])
+            calls[-1] = (name, arguments, whole)
+            if end is None:
+                return calls
+            at = _skip(text, end, ",")
+            if text.startswith("}", at):
+                at += 1
+                break
+
+
+def _skip(text: str, at: int, also: str = "") -> int:
+    """The index of the next character that is not whitespace or one of `also`."""
+    while at < len(text) and (text[at].isspace() or text[at] in also):
+        at += 1
+    return at
+
+
+def _value_end(text: str, at: int) -> int | None:
+    """Where the JSON value starting at `at` ends, or None if it is not whole yet."""
+    if at >= len(text):
+        return None
+    depth, in_string, escaped, i = 0, False, False, at
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return i + 1 if depth == 0 else i
+        elif depth == 0 and ch in ",: \t\r\n":
+            return i
+        i += 1
+    return None
 
 
 def tool_call(name: str, arguments: str) -> dict:

@@ -320,14 +320,17 @@ def test_http_named_and_required_tool_choice_return_valid_tool_calls(server):
     assert "".join(p.function.arguments for p in pieces) == greedy.function.arguments
     assert not any(c.choices[0].delta.content for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"
-    # "required" calls come whole once the array is.
+    # "required" calls stream too: each call's index, id and name first, then pieces of its arguments.
     chunks = [c for c in _chat(client, server, tools=TOOLS, tool_choice="required", temperature=0.0, stream=True)
               if c.choices]
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     whole = _chat(client, server, tools=TOOLS, tool_choice="required", temperature=0.0).choices[0].message.tool_calls
-    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == \
-        [(i, tc.function.name, tc.function.arguments) for i, tc in enumerate(whole)]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls" and calls[0].id.startswith("chatcmpl-tool-")
+    heads = [tc for tc in calls if tc.id is not None]
+    assert [(h.index, h.function.name) for h in heads] == [(i, tc.function.name) for i, tc in enumerate(whole)]
+    assert all(h.id.startswith("chatcmpl-tool-") for h in heads) and len(calls) > len(heads)
+    assert ["".join(tc.function.arguments for tc in calls if tc.index == i) for i in range(len(whole))] == \
+        [tc.function.arguments for tc in whole]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # tool_choice "none": plain text, as without tools (greedy, so the same tokens)
     plain = _chat(client, server, temperature=0.0, max_completion_tokens=8, extra_body={"ignore_eos": True})
     none = _chat(client, server, tools=TOOLS, tool_choice="none", temperature=0.0, max_completion_tokens=8,

@@ -114,3 +114,28 @@ def test_streamed_content_before_a_call_is_all_there():
     streamed = "".join(d.get("content") or "" for d in stream_deltas(ChatFormat(1, None, plan), pieces))
     content = ChatFormat(1, None, plan)._message("".join(pieces), "stop")[0]["content"]
     assert content == "\n Let me <see" and streamed.rstrip() == content
+
+
+def test_required_calls_stream_as_they_are_written():
+    """tool_choice "required": each call's first delta carries its index, id and name, the next
+    ones pieces of its arguments, which add up to the unstreamed reply's calls."""
+    from coordinator.openai_responses import ChatFormat
+    from tests.test_reasoning_parsers import stream_deltas
+
+    plan = tool_call_plan(TOOLS, "required", None)
+    text = '[{"name":"get_weather","parameters":{"city":"Pa\\"ris","days":2}},{"name":"add","parameters":{"a":1}}]'
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    whole, finish = ChatFormat(1, None, plan)._message(text, "stop")
+    assert finish == "tool_calls" and whole["content"] is None
+    calls = [tc for d in stream_deltas(ChatFormat(1, None, plan), pieces) for tc in d.get("tool_calls", [])]
+    heads = [tc for tc in calls if "id" in tc]
+    assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_weather"), (1, "add")]
+    assert all(h["id"].startswith("chatcmpl-tool-") and h["type"] == "function" for h in heads)
+    for k, call in enumerate(whole["tool_calls"]):
+        assert "".join(tc["function"]["arguments"] for tc in calls if tc["index"] == k) == call["function"]["arguments"]
+    assert len(calls) > 6  # pieces, not whole calls at the end
+    assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"city": 'Pa"ris', "days": 2}
+    # Cut short before the array closes: the unstreamed reply is content, and so is the stream's end.
+    cut = pieces[:5]
+    assert ChatFormat(1, None, plan)._message("".join(cut), "length")[0] == {"content": "".join(cut)}
+    assert stream_deltas(ChatFormat(1, None, plan), cut, "length")[-1] == {"content": "".join(cut)}
