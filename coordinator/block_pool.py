@@ -125,15 +125,11 @@ class BlockPool:
                 del self.cached[block_hash]
             self.block_hash[block] = None
 
-    def forget_free(self) -> int:
-        """Drop the hash of every free block (the cached prefixes no sequence holds); returns
-        how many were dropped. Blocks in use keep theirs."""
-        dropped = 0
+    def forget_free(self) -> None:
+        """Drop the hash of every free block (the cached prefixes no sequence holds). Blocks in
+        use keep theirs."""
         for block in self.free_queue:
-            if self.block_hash[block] is not None:
-                self.forget(block)
-                dropped += 1
-        return dropped
+            self.forget(block)
 
     @property
     def num_cached(self) -> int:

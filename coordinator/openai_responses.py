@@ -226,7 +226,7 @@ class ChatFormat(_Choices):
         ends without a whole array is content, as it is unstreamed."""
         sent = self._calls_sent.setdefault(index, [])  # per call begun: characters of arguments sent
         if finish_reason is None:
-            written = [(name, arguments, None) for name, arguments, _ in required_calls_written(text)]
+            written = [(name, arguments, None) for name, arguments in required_calls_written(text)]
         else:
             message, finish_reason = self._content_message(text, finish_reason)
             if "tool_calls" not in message:
@@ -234,11 +234,11 @@ class ChatFormat(_Choices):
                         "finish_reason": finish_reason}
             written = [(c["function"]["name"], c["function"]["arguments"], c) for c in message["tool_calls"]]
         calls = []
-        for k, (name, arguments, whole) in enumerate(written):
+        for k, (name, arguments, parsed) in enumerate(written):  # parsed: the finished reply's call
             if name is None:  # its name is still being written
                 break
             if k == len(sent):
-                calls.append({"index": k, **(whole or tool_call(name, arguments)),
+                calls.append({"index": k, **(parsed or tool_call(name, arguments)),
                               "function": {"name": name, "arguments": arguments}})
                 sent.append(len(arguments))
             elif len(arguments) > sent[k]:

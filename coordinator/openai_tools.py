@@ -65,7 +65,7 @@ class ToolCallPlan:
         # Each call's arguments as written (what streamed), not re-serialized.
         written = required_calls_written(text)
         return None, [tool_call(v["name"], arguments if v.get("parameters") is not None else "{}")
-                      for v, (_, arguments, _) in zip(value, written)]
+                      for v, (_, arguments) in zip(value, written)]
 
     def streamable(self, text: str) -> str:
         """The part of a reply still being written that is surely content: under "auto", what the
@@ -79,10 +79,10 @@ class ToolCallPlan:
         return self.parser is not None and PARSERS[self.parser].keeps_special_tokens
 
 
-def required_calls_written(text: str) -> list[tuple[str | None, str, bool]]:
+def required_calls_written(text: str) -> list[tuple[str | None, str]]:
     """How far a "required" reply (a JSON array of {"name", "parameters"}) has got: per call
-    begun, (its name once whole, else None; its parameters' text so far; whether that is whole),
-    so that a stream can send each call's name and then its arguments as they are written."""
+    begun, (its name once whole, else None; its parameters' text so far), so that a stream can
+    send each call's name and then its arguments as they are written."""
     calls, at = [], _skip(text, 0)
     if not text.startswith("[", at):
         return calls
@@ -91,8 +91,8 @@ def required_calls_written(text: str) -> list[tuple[str | None, str, bool]]:
         at = _skip(text, at, ",")
         if at >= len(text) or text[at] != "{":
             return calls
-        name, arguments, whole, at = None, "", False, at + 1
-        calls.append((name, arguments, whole))
+        name, arguments, at = None, "", at + 1
+        calls.append((name, arguments))
         while True:
             at = _skip(text, at, ",")
             key_end = _value_end(text, at)
@@ -102,10 +102,10 @@ def required_calls_written(text: str) -> list[tuple[str | None, str, bool]]:
             at = _skip(text, key_end, ":")
             end = _value_end(text, at)
             if key == "parameters":
-                arguments, whole = text[at:end if end is not None else len(text)], end is not None
+                arguments = text[at:end if end is not None else len(text)]
             elif key == "name" and end is not None:
                 name = json.loads(text[at:end])
-            calls[-1] = (name, arguments, whole)
+            calls[-1] = (name, arguments)
             if end is None:
                 return calls
             at = _skip(text, end, ",")
