@@ -2,6 +2,7 @@
 ServerState: the same checks, admission, abort, auth and status, and the same Prometheus registry.
 
 Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API: responses_api),
 POST /tokenize, POST /detokenize (these need the bearer token when the server has a key), and the
 open ones: GET /health (200 serving, else 503), GET /version, GET /metrics. Errors use OpenAI's
 envelope (openai_errors).
@@ -34,6 +35,7 @@ from coordinator.openai_errors import ApiError, error_body, error_response, para
 from coordinator.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          TokenizeRequest)
 from coordinator.openai_serving import OpenAIServing
+from coordinator.responses_api import ResponsesRequest, ResponsesServing
 from coordinator.server_state import ServerState
 
 try:
@@ -52,6 +54,7 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
     names = list(served_model_names or [model_name])
     serving = OpenAIServing(names[0], state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
+    responses = ResponsesServing(names[0], state.request_timeout, tool_call_parser, serving.reasoning)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -127,7 +130,35 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await generate(request, body, serving.chat)
 
-    async def generate(request: Request, body, method) -> Response:
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(body: ResponsesRequest, request: Request):
+        history = []
+        if body.previous_response_id is not None:
+            history = stored_response(body.previous_response_id, "previous_response_id")[1]
+        return await generate(request, body, lambda engine, req: responses.create(engine, req, history),
+                              typed_events=True)
+
+    @app.get("/v1/responses/{response_id}", dependencies=guarded)
+    async def get_response(response_id: str):
+        return stored_response(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}", dependencies=guarded)
+    async def delete_response(response_id: str):
+        stored_response(response_id)
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def stored_response(response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        stored = responses.store.get(response_id)
+        if stored is None:
+            raise ApiError("not_found", f"{param + ' ' if param else ''}{response_id!r} names no stored response "
+                           f"(a response sent with store=false, or one of the oldest beyond the "
+                           f"{responses.store.capacity} kept, is not kept)", param)
+        return stored
+
+    async def generate(request: Request, body, method, typed_events: bool = False) -> Response:
+        """`typed_events`: stream the Responses API's way (each event's type on an `event:` line,
+        no [DONE]) rather than chat's."""
         async_engine = engine()
         check_model(body.model)
         try:
@@ -140,21 +171,27 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
             return JSONResponse(result)
         # After a disconnect Starlette cancels the body and still runs the background task:
         # closing the chunk stream aborts what still runs.
-        return StreamingResponse(sse(result), media_type="text/event-stream",
+        return StreamingResponse(sse(result, typed_events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"}, background=BackgroundTask(result.aclose))
 
     async def failure(e: Exception) -> JSONResponse:
         kind = await state.request_failed(e)
         return error_response(kind, str(e), param_of(str(e)) if kind == "invalid_argument" else None)
 
-    async def sse(chunks):
+    async def sse(chunks, typed_events: bool = False):
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                head = f"event: {chunk['type']}\n" if typed_events else ""
+                yield f"{head}data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except Exception as e:  # the stream has begun: the failure can only be an event in it
             kind = await state.request_failed(e)
-            yield f"data: {json.dumps(error_body(kind, str(e)))}\n\n"
-        yield "data: [DONE]\n\n"
+            if typed_events:
+                error = {"type": "error", "code": kind, "message": str(e), "param": None}
+                yield f"event: error\ndata: {json.dumps(error)}\n\n"
+            else:
+                yield f"data: {json.dumps(error_body(kind, str(e)))}\n\n"
+        if not typed_events:
+            yield "data: [DONE]\n\n"
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest):

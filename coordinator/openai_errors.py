@@ -13,6 +13,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from coordinator.responses_api import ResponsesRequest
 
 HTTP_ERRORS = {"invalid_argument": (400, "invalid_request_error"),
                "not_found": (404, "invalid_request_error"),
@@ -24,7 +25,7 @@ HTTP_ERRORS = {"invalid_argument": (400, "invalid_request_error"),
 _CODES = {"not_found": "model_not_found", "unauthenticated": "invalid_api_key"}  # OpenAI's own codes
 
 _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                                  DetokenizeRequest)))
+                                                  DetokenizeRequest, ResponsesRequest)))
 _RENAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}  # the engine's names for HTTP's fields
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names of union members
 
@@ -39,7 +40,8 @@ class ApiError(Exception):
 
 def error_body(kind: str, message: str, param: str | None = None) -> dict:
     _, error_type = HTTP_ERRORS[kind]
-    return {"error": {"message": message, "type": error_type, "param": param, "code": _CODES.get(kind, kind)}}
+    code = kind if kind == "not_found" and param not in (None, "model") else _CODES.get(kind, kind)
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(kind: str, message: str, param: str | None = None) -> JSONResponse:

@@ -1,0 +1,454 @@
+"""OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}) over the chat
+path, as vLLM serves it: a request's `instructions` and `input` items become chat messages, the
+reply is formatted by the chat formatter (content, reasoning, tool calls), and its parts become
+the Responses output items (`reasoning`, `message`, `function_call`), whole or as the Responses
+stream's typed events. No I/O here beyond the engine; http_server writes the bytes.
+
+- `input`: a string, or items: messages (roles user, system, developer, assistant; content a
+  string or input_text / output_text parts), `function_call` and `function_call_output` items
+  (a tool call and its result, for the next turn), `reasoning` items (dropped from the prompt,
+  as the chat path drops earlier reasoning).
+- `previous_response_id`: the conversation so far (its input and its output) comes first; a
+  response is kept for this (and for GET) unless the request says `store: false`, in memory,
+  the most recent `ResponseStore.capacity` of them. `instructions` apply to one response only.
+- `tools` (function tools), `tool_choice`, `text.format` (json_object, json_schema) and
+  `reasoning.effort` (the chat template's `reasoning_effort` variable, as vLLM passes it) map to
+  their chat counterparts; options this server cannot honour are refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from coordinator.async_engine import AsyncEngine
+from coordinator.openai_protocol import ChatCompletionRequest, _Body
+from coordinator.openai_responses import ChatFormat
+from coordinator.openai_serving import ChunkStream, RequestGroup
+from coordinator.outputs import RequestOutput
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing to obfuscate here
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    store: bool | None = True
+    truncation: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None  # accepted, unused
+    safety_identifier: str | None = None  # accepted, unused
+    prompt_cache_key: str | None = None  # accepted, unused: every prompt is prefix-cached
+    service_tier: str | None = None  # accepted, unused
+    # Known, not implemented: refused unless unset
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    # vLLM's extras (as on the chat endpoint)
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = 0
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        for name in ("background", "conversation", "prompt", "max_tool_calls"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this server; leave it unset")
+        if self.truncation not in (None, "disabled"):
+            raise ValueError(f"truncation must be \"disabled\" (a prompt too long for the model is refused); "
+                             f"got {self.truncation!r}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be an integer >= 1; got {self.max_output_tokens}")
+        unknown = sorted(set(self.text or {}) - {"format"})
+        if unknown:
+            raise ValueError(f"text.{unknown[0]} is not supported by this server; send text.format only")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
+
+    def chat_request(self, history: list[dict]) -> ChatCompletionRequest:
+        """The chat request this one is: `history` (a previous response's conversation) first.
+        ValueError naming this request's field for what does not map."""
+        self.check_supported()
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
+        messages += input_messages(self.input)
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        fields = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "stop", "ignore_eos", "min_tokens", "skip_special_tokens", "priority",
+            "structured_outputs", "parallel_tool_calls") if getattr(self, name) is not None}
+        return ChatCompletionRequest(
+            messages=messages, max_completion_tokens=self.max_output_tokens, stream=self.stream,
+            logprobs=self.wants_logprobs or None, top_logprobs=self.top_logprobs if self.wants_logprobs else None,
+            tools=chat_tools(self.tools), tool_choice=chat_tool_choice(self.tool_choice),
+            response_format=response_format(self.text), chat_template_kwargs=kwargs or None, **fields)
+
+    def echo(self) -> dict:
+        """The request's settings as a Response object repeats them."""
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "previous_response_id": self.previous_response_id,
+                "reasoning": {"effort": (self.reasoning or {}).get("effort"),
+                              "summary": (self.reasoning or {}).get("summary")},
+                "store": self.store is not False, "temperature": 1.0 if self.temperature is None else self.temperature,
+                "text": {"format": (self.text or {}).get("format") or {"type": "text"}},
+                "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
+                "tools": self.tools or [], "top_logprobs": self.top_logprobs,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": "disabled", "user": self.user}
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """`input` as chat messages; ValueError naming the item and field that cannot be one."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"{where}.role must be user, system, developer or assistant; got {role!r}")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise ValueError(f"{where}.{key} is required: a string")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant":  # calls of one turn: one message
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ValueError(f"{where}.call_id is required: a string")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not part of the prompt
+        else:
+            raise ValueError(f"{where}.type {kind!r} is not supported by this server; send message, "
+                             "function_call, function_call_output or reasoning items")
+    if not messages:
+        raise ValueError("input must hold at least one message")
+    return messages
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}[{j}]: parts of type {kind!r} are not supported; send input_text parts")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses' flat function tools as the chat API's nested ones."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise ValueError(f"tools[{i}].type must be \"function\" (the only kind of tool this server runs); "
+                             f"got {tool.get('type')!r}")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ValueError(f"tools[{i}].name is required: a non-empty string")
+        function = {"name": tool["name"]}
+        for key in ("description", "parameters"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise ValueError('tool_choice {"type": "function"} needs "name": the function to call')
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None and not isinstance(choice, str):
+        raise ValueError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}; '
+                         f"got {choice!r}")
+    return choice
+
+
+def response_format(text: dict | None) -> dict | None:
+    """`text.format` as the chat API's response_format."""
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type", "text") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] != "json_schema":
+        raise ValueError(f"text.format.type must be text, json_object or json_schema; got {fmt['type']!r}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise ValueError("text.format.schema is required: the JSON schema, an object")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
+
+
+class ResponseStore:
+    """The most recent stored responses, for GET and `previous_response_id`: each with the chat
+    conversation it continues (its prompt's messages, then its reply as an assistant message)."""
+
+    capacity = 512
+
+    def __init__(self) -> None:
+        self._entries: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._entries[response["id"]] = (response, conversation)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+
+class OutputItems:
+    """A reply's output items as its chat deltas arrive, and the stream events that build them:
+    a reasoning item, then a message, then one function_call item per call, each opened when its
+    first piece comes and closed when the next begins or the reply ends."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.seq = 0
+        self._open: dict | None = None
+        self._calls: dict[int, dict] = {}  # the chat delta's call index -> its item
+
+    def event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def add(self, delta: dict, logprobs: list[dict] | None) -> list[dict]:
+        """The events for one chat delta ({"reasoning_content", "content", "tool_calls"})."""
+        events = []
+        if delta.get("reasoning_content"):
+            events += self._piece("reasoning", delta["reasoning_content"], None)
+        if delta.get("content") or (logprobs and "content" in delta):  # logprobs go with the text
+            events += self._piece("message", delta.get("content") or "", logprobs)
+        for call in delta.get("tool_calls") or []:
+            events += self._call_piece(call)
+        return events
+
+    def _piece(self, kind: str, text: str, logprobs: list[dict] | None) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self.close()
+            events += self._begin(kind)
+        item = self._open
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        part = item["content"][0]
+        part["text"] += text
+        if kind == "reasoning":
+            events.append(self.event("response.reasoning_text.delta", **at, delta=text))
+        else:
+            part["logprobs"] += logprobs or []
+            events.append(self.event("response.output_text.delta", **at, delta=text, logprobs=logprobs or []))
+        return events
+
+    def _begin(self, kind: str) -> list[dict]:
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                    "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
+                    "content": [], "status": "in_progress"}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.items.append(item)
+        self._open = item
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        events = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))]
+        item["content"].append(part)
+        events.append(self.event("response.content_part.added", **at, part=dict(part)))
+        return events
+
+    def begin_empty_message(self) -> list[dict]:
+        """A reply with no output so far is an empty message: its opening events."""
+        return [] if self.items else self._begin("message")
+
+    def _call_piece(self, call: dict) -> list[dict]:
+        events = []
+        item = self._calls.get(call["index"])
+        arguments = call.get("function", {}).get("arguments") or ""
+        if item is None:
+            events += self.close()
+            item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            self._calls[call["index"]] = item
+            self.items.append(item)
+            self._open = item
+            events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                     item=_copy(item)))
+        if arguments:
+            item["arguments"] += arguments
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=self.items.index(item), delta=arguments))
+        return events
+
+    def close(self, complete: bool = True) -> list[dict]:
+        """The events that finish the open item, if any (`complete` False: the reply was cut short
+        by max_output_tokens, and its last item with it)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = "completed" if complete else "incomplete"
+        index = self.items.index(item)
+        events = []
+        if item["type"] == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                     name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if item["type"] == "reasoning":
+                events.append(self.event("response.reasoning_text.done", **at, text=part["text"]))
+            else:
+                events.append(self.event("response.output_text.done", **at, text=part["text"],
+                                         logprobs=part["logprobs"]))
+            events.append(self.event("response.content_part.done", **at, part=dict(part)))
+        events.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
+        return events
+
+    def assistant_message(self) -> dict:
+        """The reply as the chat message a next turn's prompt holds (its reasoning left out)."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        message = {"role": "assistant", "content": text}
+        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.items if i["type"] == "function_call"]
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+def _copy(item: dict) -> dict:
+    return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
+
+
+def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
+    prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+    cached = final.metrics.num_cached_tokens if final.metrics is not None else 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt + output}
+
+
+class ResponsesServing:
+    """/v1/responses over the engine: `create` returns the Response (a dict) or, streamed, a
+    ChunkStream of events; ValueError (naming the field) and the engine's refusals come before
+    any event. `history`: the conversation `previous_response_id` continues (`store.get`'s)."""
+
+    def __init__(self, model_name: str, request_timeout: float | None, tool_call_parser: str | None, reasoning):
+        self.model_name = model_name
+        self.request_timeout = request_timeout
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning  # the server's ThinkParser, or None
+        self.store = ResponseStore()
+
+    async def create(self, engine: AsyncEngine, req: ResponsesRequest, history: list[dict]) -> dict | ChunkStream:
+        chat = req.chat_request(history)
+        tools = chat.tool_call_plan(self.tool_call_parser)
+        params = chat.sampling_params(tools)
+        conversation = chat.conversation()
+        head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+                "model": self.model_name, **req.echo()}
+        group = await RequestGroup.admit(engine, [(None, None, conversation)], params, head["id"], req.priority or 0,
+                                         self.request_timeout, chat.chat_options(),
+                                         "max_output_tokens" if req.max_output_tokens is not None else None)
+        fmt = ChatFormat(1, params.logprobs, tools, self.reasoning, params.structured_outputs is not None)
+        items = OutputItems()
+        if req.stream:
+            return ChunkStream(group, self._events(group, fmt, items, head, req, conversation, engine))
+        try:
+            (final,) = await group.finals()
+        finally:
+            group.close()
+        (choice,) = fmt.whole(final)
+        message = choice["message"]
+        calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
+        items.add({"reasoning_content": message.get("reasoning_content"), "content": message.get("content"),
+                   "tool_calls": calls}, (choice["logprobs"] or {}).get("content"))
+        items.begin_empty_message()
+        items.close(choice["finish_reason"] != "length")
+        return self._finish(head, items, final, choice["finish_reason"], conversation, req, engine)
+
+    async def _events(self, group: RequestGroup, fmt: ChatFormat, items: OutputItems, head: dict,
+                      req: ResponsesRequest, conversation: list[dict], engine: AsyncEngine) -> AsyncIterator[dict]:
+        pending = {**head, "status": "in_progress", "output": [], "usage": None, "error": None,
+                   "incomplete_details": None}
+        try:
+            yield items.event("response.created", response=pending)
+            yield items.event("response.in_progress", response=pending)
+            async for _, out in group.outputs():
+                for choice in fmt.deltas(out):
+                    for event in items.add(choice["delta"], (choice["logprobs"] or {}).get("content")):
+                        yield event
+                    if choice["finish_reason"] is not None:
+                        for event in items.begin_empty_message() + items.close(choice["finish_reason"] != "length"):
+                            yield event
+                        response = self._finish(head, items, out, choice["finish_reason"], conversation, req, engine)
+                        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+                        yield items.event(kind, response=response)
+        finally:
+            group.close()
+
+    def _finish(self, head: dict, items: OutputItems, final: RequestOutput, finish_reason: str, conversation: list[dict],
+                req: ResponsesRequest, engine: AsyncEngine) -> dict:
+        """The Response object of a finished reply (stored unless the request said not to)."""
+        complete = finish_reason != "length"
+        reasoning = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
+        reasoning_tokens = len(engine.llm_engine.tokenizer.encode(reasoning, add_special_tokens=False)) \
+            if reasoning else 0
+        response = {**head, "status": "completed" if complete else "incomplete", "error": None,
+                    "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+                    "output": [_copy(i) for i in items.items], "usage": _usage(final, reasoning_tokens),
+                    "completed_at": int(time.time()) if complete else None}
+        if req.store is not False:
+            history = conversation[1:] if req.instructions else conversation  # instructions hold for one turn
+            self.store.put(response, history + [items.assistant_message()])
+        return response
