@@ -10,7 +10,7 @@ import sys
 import time
 
 from coordinator.server_options import REASONING_PARSERS, ROUTING_POLICIES, TOOL_CALL_PARSERS
-from pagedserve.config import EngineConfig
+from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
 
@@ -47,7 +47,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """ValueError for a bad value (naming the flag's field), or a positional MODEL beside a
+    different --model."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if fields["model"] not in (tag, BUNDLED_MODEL_ALIAS):  # --model given too, and differently
+            raise ValueError(f"model: the positional MODEL {tag!r} and --model {fields['model']!r} differ; "
+                             "give one of them")
+        fields["model"] = tag
+    return EngineConfig(**fields)
 
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -63,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a model over gRPC and HTTP (OpenAI's API) until Ctrl-C or SIGTERM "
                                        "(or, with --detach, leave it running in the Ray cluster).")
     add_engine_flags(serve)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as `vllm serve MODEL` takes it: the same as --model")
     serve.add_argument("--host", default="127.0.0.1", help="interface the gRPC server binds (default: %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (default: %(default)s)")
     serve.add_argument("--address", default=None,

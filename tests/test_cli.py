@@ -7,7 +7,7 @@ import dataclasses
 
 
 from pagedserve import cli
-from pagedserve.config import EngineConfig
+from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
 
 def test_every_engine_knob_is_a_flag():
@@ -19,6 +19,15 @@ def test_every_engine_knob_is_a_flag():
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in help_text
+
+
+def test_the_model_may_be_positional_as_vllm_serve_takes_it(capsys):
+    parser = cli.build_parser()
+    assert cli.config_from_args(parser.parse_args(["serve", "./my-llama", "--port", "6000"])).model == "./my-llama"
+    assert cli.config_from_args(parser.parse_args(["serve", "./a", "--model", "./a"])).model == "./a"
+    assert cli.config_from_args(parser.parse_args(["serve"])).model == BUNDLED_MODEL_ALIAS  # the default
+    assert cli.main(["serve", "./a", "--model", "./b"]) == 2  # refused before any Ray starts
+    assert "positional MODEL './a' and --model './b' differ" in capsys.readouterr().err
 
 
 def test_bad_flag_value_exits_with_the_field_named(capsys):

@@ -113,8 +113,8 @@ class _Serve:
 
 def test_serve_in_the_foreground_until_ctrl_c(tiny_llama, tmp_path):
     port = _free_port()
-    server = _Serve(["--model", tiny_llama, "--port", str(port), "--kv-cache-memory", KV], _env(),
-                    tmp_path / "serve.err")
+    # the model as `vllm serve MODEL` takes it: positional
+    server = _Serve([tiny_llama, "--port", str(port), "--kv-cache-memory", KV], _env(), tmp_path / "serve.err")
     try:
         line = server.wait_for_line("serving ")
         assert line == f"serving {tiny_llama} on 127.0.0.1:{port}"
