@@ -216,7 +216,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         grammar = None
         if params.structured_outputs is not None:  # compiled by `process`: copied, not compiled, here
-            grammar = self.input_processor.grammars.start(params.structured_outputs)
+            grammar = self.input_processor.grammars.start(params.structured_outputs, prompt_token_ids)
         group = self.scheduler.add_request(request_id, prompt_token_ids, params, priority, publish_kv)
         group.first.grammar = grammar
         self.output_processor.add_request(group, prompt)

@@ -126,15 +126,16 @@ class CompletionFormat(_Choices):
 class ChatFormat(_Choices):
     """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None;
     `tools`: how a reply becomes tool calls; `reasoning`: the server's reasoning parser, which
-    splits `reasoning_content` off the reply (`constrained`: the reply follows a grammar)."""
+    splits `reasoning_content` off the reply (`starts_inside`: whether the reply begins inside a
+    think block; None, the parser's own reading)."""
 
     def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None,
-                 reasoning: ThinkParser | None = None, constrained: bool = False):
+                 reasoning: ThinkParser | None = None, starts_inside: bool | None = None):
         super().__init__(n)
         self.k = logprobs
         self.tools = tools
         self.reasoning = reasoning
-        self.constrained = constrained
+        self.starts_inside = starts_inside
         self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools or reasoning)
         self._reasoning_sent: dict[int, int] = {}  # choice -> characters of reasoning streamed
         self._calls_sent: dict[int, list[int]] = {}  # choice -> characters of each "required" call's arguments sent
@@ -153,7 +154,7 @@ class ChatFormat(_Choices):
         and its tool calls where it holds any) and finish reason."""
         if self.reasoning is None:
             return self._content_message(text, finish_reason)
-        reasoning, text = self.reasoning.split(text, True, self.constrained)
+        reasoning, text = self.reasoning.split(text, True, self.starts_inside)
         message, finish_reason = self._content_message(text, finish_reason)
         return {**message, "content": message["content"] or None, "reasoning_content": reasoning or None}, finish_reason
 
@@ -184,7 +185,7 @@ class ChatFormat(_Choices):
             return self._content_delta(index, c.text, c.delta_text, finish_reason)
         # Reasoning and content each stream as far as they are known; a tail that may be the
         # start of a tag waits for the next output.
-        reasoning, text = self.reasoning.split(c.text, finish_reason is not None, self.constrained)
+        reasoning, text = self.reasoning.split(c.text, finish_reason is not None, self.starts_inside)
         sent = self._reasoning_sent.get(index, 0)
         step = self._content_delta(index, text, None, finish_reason)
         if step["delta"].get("content") == "":

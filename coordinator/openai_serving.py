@@ -20,6 +20,7 @@ from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
 from coordinator.openai_responses import ChatFormat, CompletionFormat, prompt_logprobs_json, usage
 from coordinator.outputs import RequestOutput
 from coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
+from coordinator.reasoning_parsers import ThinkParser, reply_starts_inside
 from coordinator.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class RequestGroup:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._running = len(streams)
         self._pumps: list[asyncio.Task] = []
+        self.prompt_token_ids = [first.prompt_token_ids for first in firsts]  # per prompt
         for i, (stream, first) in enumerate(zip(streams, firsts)):
             self._queue.put_nowait((i, first))
             if not first.finished:
@@ -145,12 +147,14 @@ class OpenAIServing:
 
     async def chat(self, engine: AsyncEngine, req: ChatCompletionRequest) -> dict | ChunkStream:
         tools = req.tool_call_plan(self.tool_call_parser)
-        params = req.sampling_params(tools)
+        reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
+        params = reasoning.constrain_after(req.sampling_params(tools))
         prompts = [(None, None, req.conversation())]
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
-        fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning, params.structured_outputs is not None)
+        fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning,
+                         reasoning.starts_inside(params, group.prompt_token_ids[0]))
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,
@@ -163,6 +167,33 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final)
         return response
+
+
+class ReasoningTags:
+    """Where a chat reply's reasoning is, under the server's reasoning parser (`parser`, or None)
+    and its tokenizer: whether the reply starts inside a think block, and, for a constrained
+    reply, a grammar that starts after the block (as vLLM runs structured outputs with a
+    reasoning parser), where the tags are tokens of the model."""
+
+    def __init__(self, parser: ThinkParser | None, tokenizer):
+        self.parser = parser
+        self.ids = None if parser is None else parser.tag_ids(tokenizer)
+
+    def constrain_after(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its grammar (if any) told the tags: it waits out a block the reply starts in."""
+        so = params.structured_outputs
+        if so is None or self.ids is None:
+            return params
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+            so, reasoning=(*self.ids, self.parser.implicit_start)))
+
+    def starts_inside(self, params: SamplingParams, prompt_token_ids: list[int]) -> bool | None:
+        """For ChatFormat: the engine's decision for this prompt (None: the parser's own reading)."""
+        if self.parser is None:
+            return None
+        if self.ids is None:  # a grammar then applies from the first token: no block unless it writes one
+            return False if params.structured_outputs is not None else None
+        return reply_starts_inside(prompt_token_ids, *self.ids, self.parser.implicit_start)
 
 
 class ChunkStream:

@@ -83,7 +83,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
             block_tables[i, :len(table)] = table
             # A grammar's mask rows: one per position, each after the drafts before it.
             first_mask = -1
-            if seq.grammar is not None:
+            if seq.grammar is not None and seq.grammar.active:
                 first_mask, num_mask_rows = num_mask_rows, num_mask_rows + n
                 grammars.append((seq.grammar, drafts))
             for j in range(n):
@@ -117,7 +117,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int, finished_seq_ids: l
             if logit_rows is not None:
                 logit_rows.append(t + n - 1)
             mask_row = -1
-            if seq.grammar is not None:
+            if seq.grammar is not None and seq.grammar.active:  # (not while it waits out a reasoning block)
                 mask_row = sampling[-1].bitmask_index = num_mask_rows
                 num_mask_rows += 1
                 grammars.append((seq.grammar, ()))

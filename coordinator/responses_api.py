@@ -27,7 +27,7 @@ from typing import Any
 from coordinator.async_engine import AsyncEngine
 from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat
-from coordinator.openai_serving import ChunkStream, RequestGroup
+from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -393,14 +393,16 @@ class ResponsesServing:
     async def create(self, engine: AsyncEngine, req: ResponsesRequest, history: list[dict]) -> dict | ChunkStream:
         chat = req.chat_request(history)
         tools = chat.tool_call_plan(self.tool_call_parser)
-        params = chat.sampling_params(tools)
+        reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
+        params = reasoning.constrain_after(chat.sampling_params(tools))
         conversation = chat.conversation()
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo()}
         group = await RequestGroup.admit(engine, [(None, None, conversation)], params, head["id"], req.priority or 0,
                                          self.request_timeout, chat.chat_options(),
                                          "max_output_tokens" if req.max_output_tokens is not None else None)
-        fmt = ChatFormat(1, params.logprobs, tools, self.reasoning, params.structured_outputs is not None)
+        fmt = ChatFormat(1, params.logprobs, tools, self.reasoning,
+                         reasoning.starts_inside(params, group.prompt_token_ids[0]))
         items = OutputItems()
         if req.stream:
             return ChunkStream(group, self._events(group, fmt, items, head, req, conversation, engine))

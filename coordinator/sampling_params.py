@@ -27,6 +27,10 @@ class StructuredOutputsParams:
     # The request field the client set it by, for error messages ("" is structured_outputs.<kind>):
     # an HTTP client that sent response_format is told about response_format.
     field_name: str = field(default="", repr=False, compare=False)
+    # A server's reasoning parser (start tag id, end tag id, whether its replies start inside a
+    # think block when the prompt holds no tag): a reply that starts inside one thinks freely and
+    # the grammar applies after the end tag (reasoning_parsers.reply_starts_inside decides).
+    reasoning: tuple[int, int, bool] | None = field(default=None, compare=False)
     # The engine's compiled grammar, kept by the input processor for the engine loop to start
     # matchers from (never pickled or copied: it belongs to one engine's tokenizer).
     _compiled: object = field(default=None, init=False, repr=False, compare=False)

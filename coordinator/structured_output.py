@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from coordinator.reasoning_parsers import reply_starts_inside
 from coordinator.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -48,25 +49,40 @@ class CompiledGrammar:
 
 
 class SequenceGrammar:
-    """One sequence's matcher: the tokens its grammar allows next, advanced by each sampled one."""
+    """One sequence's matcher: the tokens its grammar allows next, advanced by each sampled one.
+    `waiting_for`: a reasoning block's end token, while the reply is still inside the block (no
+    mask then; the grammar starts after that token)."""
 
-    __slots__ = ("matcher", "num_words")
+    __slots__ = ("matcher", "num_words", "waiting_for")
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
-        self.matcher, self.num_words = matcher, num_words
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, waiting_for: int | None = None):
+        self.matcher, self.num_words, self.waiting_for = matcher, num_words, waiting_for
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (it has a mask row in the step)."""
+        return self.waiting_for is None
 
     def copy(self) -> SequenceGrammar:
         """A fork's own matcher, in this one's state."""
-        return SequenceGrammar(self.matcher.deep_copy(), self.num_words)
+        return SequenceGrammar(self.matcher.deep_copy(), self.num_words, self.waiting_for)
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` the grammar allows from here (speculative drafts must
-        satisfy it); the matcher does not move."""
+        satisfy it); the matcher does not move. Inside a reasoning block every token is allowed,
+        but drafts stop before its end tag: the token after it is the grammar's first, and a
+        waiting grammar's step computes no mask for it."""
+        if not self.active:
+            return tokens[:tokens.index(self.waiting_for)] if self.waiting_for in tokens else tokens
         return tokens[:self.matcher.validate_tokens(tokens)] if tokens else tokens
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token. True when the sequence ends here: its grammar is complete
         (nothing but EOS may follow), or the token broke it (it cannot: the mask allowed it; logged)."""
+        if not self.active:
+            if token == self.waiting_for:
+                self.waiting_for = None  # the reasoning is over: the grammar starts now
+            return False
         matcher = self.matcher
         if not matcher.consume_token(token):
             log.warning("a structured output's matcher refused sampled token %d; the sequence ends: %s",
@@ -121,13 +137,16 @@ class GrammarCompiler:
         so._compiled = compiled
         return compiled
 
-    def start(self, so: StructuredOutputsParams) -> SequenceGrammar:
+    def start(self, so: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> SequenceGrammar:
         """A new request's matcher: a copy of the grammar `compile` kept on `so` (compiled now if it
-        was not, by this engine)."""
+        was not, by this engine), waiting out the reasoning block its reply starts inside, if any."""
         compiled = so._compiled
         if not isinstance(compiled, CompiledGrammar) or compiled.compiler is not self:
             compiled = self.compile(so)
-        return SequenceGrammar(compiled.template.deep_copy(), self.num_words)
+        waiting_for = None
+        if so.reasoning is not None and reply_starts_inside(prompt_token_ids, *so.reasoning):
+            waiting_for = so.reasoning[1]
+        return SequenceGrammar(compiled.template.deep_copy(), self.num_words, waiting_for)
 
     def _build(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
         kind = so.kind

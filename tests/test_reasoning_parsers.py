@@ -5,12 +5,16 @@ tests/test_structured_outputs.py, whose server runs with the qwen3 parser)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from coordinator.openai_responses import ChatFormat
 from coordinator.openai_tools import tool_call_plan
 from coordinator.outputs import CompletionOutput, RequestOutput
-from coordinator.reasoning_parsers import PARSERS
+from coordinator.openai_serving import ReasoningTags
+from coordinator.reasoning_parsers import PARSERS, reply_starts_inside
+from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
 from coordinator.server_options import REASONING_PARSERS, ServerOptions
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -35,9 +39,35 @@ def test_a_whole_reply_splits_into_reasoning_and_content(parser, text, reasoning
     assert PARSERS[parser].split(text) == (reasoning, content)
 
 
-def test_a_constrained_reply_opens_no_think_block_unless_it_writes_one():
-    assert PARSERS["deepseek_r1"].split('{"a": 1}', constrained=True) == (None, '{"a": 1}')
-    assert PARSERS["deepseek_r1"].split('<think>x</think>{"a": 1}', constrained=True) == ("x", '{"a": 1}')
+def test_a_reply_that_starts_outside_the_block_opens_none_unless_it_writes_one():
+    assert PARSERS["deepseek_r1"].split('{"a": 1}', starts_inside=False) == (None, '{"a": 1}')
+    assert PARSERS["deepseek_r1"].split('<think>x</think>{"a": 1}', starts_inside=False) == ("x", '{"a": 1}')
+    assert PARSERS["qwen3"].split("x</think>y", starts_inside=True) == ("x", "y")  # its template opened it
+
+
+def test_the_prompts_last_tag_says_where_a_reply_starts():
+    assert reply_starts_inside([1, 7, 2], 7, 8, False)  # an open <think> (a template that starts it)
+    assert not reply_starts_inside([7, 3, 8, 2], 7, 8, True)  # closed (thinking turned off)
+    assert reply_starts_inside([1, 2], 7, 8, True) and not reply_starts_inside([], 7, 8, False)  # the default
+
+
+def test_reasoning_tags_set_the_grammar_and_the_reading(bundled_tokenizer):
+    """With a tokenizer whose think tags are tokens, a constrained request's grammar learns them
+    (the engine then waits out a block the reply starts inside), and the reply is read as the
+    engine decides; without such tokens a constrained reply starts outside any block."""
+    tokenizer = copy.deepcopy(bundled_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    tags = ReasoningTags(PARSERS["deepseek_r1"], tokenizer)
+    assert tags.ids == (think, end)
+    assert tags.constrain_after(constrained).structured_outputs.reasoning == (think, end, True)
+    assert tags.constrain_after(SamplingParams()) == SamplingParams()  # unconstrained: unchanged
+    assert tags.starts_inside(constrained, [5, think, 6]) and not tags.starts_inside(constrained, [think, end])
+    plain = ReasoningTags(PARSERS["deepseek_r1"], bundled_tokenizer)  # SmolLM2: no think tokens
+    assert plain.ids is None and plain.constrain_after(constrained) is constrained
+    assert plain.starts_inside(constrained, [1]) is False and plain.starts_inside(SamplingParams(), [1]) is None
+    assert ReasoningTags(None, tokenizer).starts_inside(constrained, [think]) is None
 
 
 def stream_deltas(fmt: ChatFormat, pieces: list[str], finish: str = "stop") -> list[dict]:

@@ -188,6 +188,52 @@ def test_a_grammar_that_compiles_slowly_holds_up_no_other_request(llm, monkeypat
     _assert_all_free(llm)
 
 
+def test_a_grammar_waits_out_the_reasoning_block_its_reply_starts_inside(llm):
+    """A reasoning parser's tags (here two arbitrary token ids): while the reply is inside the think
+    block every token is allowed; from the token after the end tag the grammar applies; a prompt
+    whose last tag closes the block starts the grammar at once."""
+    think, end = 300, 301
+    choices = ["yes", "no"]
+    tokenizer = llm.engine.tokenizer
+    banned = tokenizer.encode("zebra", add_special_tokens=False)[0]  # no choice starts with it
+    so = StructuredOutputsParams(choice=choices, reasoning=(think, end, True))
+
+    def run(prompt, bias, max_tokens=8):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so, logit_bias=bias,
+                                ignore_eos=False)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return out.outputs[0].token_ids
+
+    # inside the block (the prompt opened it): the banned token, pushed up, is sampled freely
+    assert run([11, 12, think, 13], {banned: 50.0}) == [banned] * 8
+    # the end tag comes first (pushed harder): after it the grammar decides, and the reply ends complete
+    tokens = run([11, 12, think, 13], {banned: 50.0, end: 80.0}, max_tokens=20)
+    assert tokens[0] == end and tokenizer.decode(tokens[1:], skip_special_tokens=True) in choices
+    # the prompt closed the block: the grammar applies from the first token, the bias cannot win
+    tokens = run([11, think, 12, end, 13], {banned: 50.0}, max_tokens=20)
+    assert banned not in tokens and tokenizer.decode(tokens, skip_special_tokens=True) in choices
+    # no tag in the prompt: the parser's default (True here: deepseek_r1's reading) holds
+    assert run([11, 12, 13], {banned: 50.0}, max_tokens=3) == [banned] * 3
+    _assert_all_free(llm)
+
+
+def test_a_waiting_grammar_has_no_mask_row_and_drafts_stop_before_the_end_tag(bundled_tokenizer):
+    compiler = GrammarCompiler(bundled_tokenizer, len(bundled_tokenizer))
+    so = StructuredOutputsParams(choice=["yes", "no"], reasoning=(300, 301, False))
+    waiting = compiler.start(so, [5, 300, 6])
+    assert not waiting.active and waiting.waiting_for == 301
+    assert waiting.valid_prefix([7, 8, 301, 9]) == [7, 8]  # the token after the end tag needs a mask
+    assert waiting.valid_prefix([7, 8]) == [7, 8]
+    fork = waiting.copy()
+    assert not waiting.accept(7) and not waiting.active  # any token while inside
+    assert not waiting.accept(301) and waiting.active  # the end tag: the grammar starts
+    assert not fork.active  # a fork keeps its own state
+    yes = bundled_tokenizer.encode("yes", add_special_tokens=False)
+    assert waiting.valid_prefix(yes) == yes and waiting.valid_prefix([7]) == []
+    assert compiler.start(so, [5, 6]).active  # no tag, and the default is False: qwen3's reading
+    assert compiler.start(so, [300, 5, 301]).active  # the prompt closed the block
+
+
 def test_shapes_are_checked_at_construction_and_beam_search_is_refused():
     for kwargs, message in [({}, "exactly one of"), ({"json": PERSON, "regex": "a"}, "exactly one of"),
                             ({"json": "{oops"}, "structured_outputs.json is not valid JSON"),
