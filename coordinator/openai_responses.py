@@ -8,7 +8,7 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 
 from __future__ import annotations
 
-from coordinator.openai_tools import ToolCallPlan, required_calls_written, tool_call
+from coordinator.openai_tools import ToolCallPlan, tool_call
 from coordinator.reasoning_parsers import ThinkParser
 from coordinator.outputs import CompletionOutput, RequestOutput
 
@@ -138,7 +138,7 @@ class ChatFormat(_Choices):
         self.starts_inside = starts_inside
         self._sent: dict[int, int] = {}  # choice -> characters of content streamed (with tools or reasoning)
         self._reasoning_sent: dict[int, int] = {}  # choice -> characters of reasoning streamed
-        self._calls_sent: dict[int, list[int]] = {}  # choice -> characters of each "required" call's arguments sent
+        self._calls_sent: dict[int, list[int]] = {}  # choice -> characters of each call's arguments sent
 
     def whole(self, out: RequestOutput) -> list[dict]:
         choices = []
@@ -206,36 +206,37 @@ class ChatFormat(_Choices):
                     "finish_reason": finish_reason}
         if self.tools.named:
             return self._arguments_delta(index, text, finish_reason)
-        if self.tools.parser is None:
-            return self._required_delta(index, text, finish_reason)
-        # "auto": content streams only where it surely is content; calls come whole at the end,
-        # once the reply can be parsed.
-        sent = self._sent.get(index, 0)
+        return self._calls_delta(index, text, finish_reason)
+
+    def _calls_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        """"required" and "auto" replies: calls stream as they are written, as vLLM streams them
+        (each call's first delta carries its index, id and name, the next ones pieces of its
+        arguments; "auto" where its parser can follow them, else whole once the reply parses), and
+        content ("auto"'s text before the calls) where it surely is content. A reply that ends
+        without parsing whole is content, as it is unstreamed."""
         if finish_reason is None:
             content = self.tools.streamable(text)
-            self._sent[index] = max(sent, len(content))
-            return {"delta": {"content": content[sent:]} if len(content) > sent else {}, "finish_reason": None}
-        message, finish_reason = self._content_message(text, finish_reason)
-        delta = {"content": message["content"][sent:]} if len(message["content"] or "") > sent else {}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        return {"delta": delta, "finish_reason": finish_reason}
-
-    def _required_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
-        """"required" calls stream as they are written, as vLLM streams them: each call's first
-        delta carries its index, id and name, the next ones pieces of its arguments. A reply that
-        ends without a whole array is content, as it is unstreamed."""
-        sent = self._calls_sent.setdefault(index, [])  # per call begun: characters of arguments sent
-        if finish_reason is None:
-            written = [(name, arguments, None) for name, arguments in required_calls_written(text)]
+            written = [(name, arguments, None) for name, arguments in self.tools.calls_written(text)]
         else:
             message, finish_reason = self._content_message(text, finish_reason)
-            if "tool_calls" not in message:
-                return {"delta": {"content": message["content"]} if message["content"] else {},
-                        "finish_reason": finish_reason}
-            written = [(c["function"]["name"], c["function"]["arguments"], c) for c in message["tool_calls"]]
+            content = message["content"] or ""
+            written = [(c["function"]["name"], c["function"]["arguments"], c) for c in message.get("tool_calls") or []]
+        delta = {}
+        sent = self._sent.get(index, 0)
+        if len(content) > sent:
+            delta["content"] = content[sent:]
+            self._sent[index] = len(content)
+        calls = self._call_pieces(index, written)
+        if calls:
+            delta["tool_calls"] = calls
+        return {"delta": delta, "finish_reason": finish_reason}
+
+    def _call_pieces(self, index: int, written: list[tuple[str | None, str, dict | None]]) -> list[dict]:
+        """The tool_calls delta entries for `written` (name, arguments so far, the finished
+        reply's call or None), past what was sent."""
+        sent = self._calls_sent.setdefault(index, [])  # per call begun: characters of arguments sent
         calls = []
-        for k, (name, arguments, parsed) in enumerate(written):  # parsed: the finished reply's call
+        for k, (name, arguments, parsed) in enumerate(written):
             if name is None:  # its name is still being written
                 break
             if k == len(sent):
@@ -245,7 +246,7 @@ class ChatFormat(_Choices):
             elif len(arguments) > sent[k]:
                 calls.append({"index": k, "function": {"arguments": arguments[sent[k]:]}})
                 sent[k] = len(arguments)
-        return {"delta": {"tool_calls": calls} if calls else {}, "finish_reason": finish_reason}
+        return calls
 
     def _arguments_delta(self, index: int, text: str, finish_reason: str | None) -> dict:
         """A named function's call streams as it is written, as vLLM streams it: the first delta

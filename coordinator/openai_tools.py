@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.sampling_params import StructuredOutputsParams
-from coordinator.tool_parsers import PARSERS
+from coordinator.tool_parsers import PARSERS, CallsWritten, json_calls_written
 
 _ANY_OBJECT = {"type": "object"}  # a tool without `parameters` takes any object (OpenAI's reading)
 
@@ -67,6 +67,14 @@ class ToolCallPlan:
         return None, [tool_call(v["name"], arguments if v.get("parameters") is not None else "{}")
                       for v, (_, arguments) in zip(value, written)]
 
+    def calls_written(self, text: str) -> CallsWritten:
+        """How far the calls of a reply still being written have got: "required"'s array, or what
+        the "auto" parser can follow (pythonic: nothing; its calls come whole). Not for a named
+        function, whose whole reply is its arguments."""
+        if self.parser is not None:
+            return PARSERS[self.parser].calls_written(text)
+        return required_calls_written(text)
+
     def streamable(self, text: str) -> str:
         """The part of a reply still being written that is surely content: under "auto", what the
         parser knows is no call (coordinator/tool_parsers.py); otherwise nothing, as the reply is
@@ -79,76 +87,11 @@ class ToolCallPlan:
         return self.parser is not None and PARSERS[self.parser].keeps_special_tokens
 
 
-def required_calls_written(text: str) -> list[tuple[str | None, str]]:
+def required_calls_written(text: str) -> CallsWritten:
     """How far a "required" reply (a JSON array of {"name", "parameters"}) has got: per call
     begun, (its name once whole, else None; its parameters' text so far), so that a stream can
     send each call's name and then its arguments as they are written."""
-    calls, at = [], _skip(text, 0)
-    if not text.startswith("[", at):
-        return calls
-    at += 1
-    while True:
-        at = _skip(text, at, ",")
-        if at >= len(text) or text[at] != "{":
-            return calls
-        name, arguments, at = None, "", at + 1
-        calls.append((name, arguments))
-        while True:
-            at = _skip(text, at, ",")
-            key_end = _value_end(text, at)
-            if key_end is None or text[at] != '"':
-                return calls
-            key = json.loads(text[at:key_end])
-            at = _skip(text, key_end, ":")
-            end = _value_end(text, at)
-            if key == "parameters":
-                arguments = text[at:end if end is not None else len(text)]
-            elif key == "name" and end is not None:
-                name = json.loads(text[at:end])
-            calls[-1] = (name, arguments)
-            if end is None:
-                return calls
-            at = _skip(text, end, ",")
-            if text.startswith("}", at):
-                at += 1
-                break
-
-
-def _skip(text: str, at: int, also: str = "") -> int:
-    """The index of the next character that is not whitespace or one of `also`."""
-    while at < len(text) and (text[at].isspace() or text[at] in also):
-        at += 1
-    return at
-
-
-def _value_end(text: str, at: int) -> int | None:
-    """Where the JSON value starting at `at` ends, or None if it is not whole yet."""
-    if at >= len(text):
-        return None
-    depth, in_string, escaped, i = 0, False, False, at
-    while i < len(text):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth <= 0:
-                return i + 1 if depth == 0 else i
-        elif depth == 0 and ch in ",: \t\r\n":
-            return i
-        i += 1
-    return None
+    return json_calls_written(text, ("parameters",))
 
 
 def tool_call(name: str, arguments: str) -> dict:

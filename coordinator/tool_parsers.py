@@ -12,7 +12,11 @@ surely content (streamed as it comes; the rest is held until the reply can be pa
 - pythonic (Llama 3.2/4, ToolACE): the reply is a Python list of calls with literal keyword
   arguments, `[get_weather(city="Paris"), add(a=1, b=2)]`; anything else is text.
 
-A reply that does not parse whole is content, never a half call.
+A reply that does not parse whole is content, never a half call. While a reply is written, the
+JSON formats (all but pythonic) also say how far each call has got (`calls_written`: its name
+once whole, its arguments' text so far), so that a stream sends a call's name and then its
+arguments piece by piece, as vLLM streams them; a whole reply's calls then carry their arguments
+as the model wrote them (the same text), where pythonic's are re-serialized.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 from collections.abc import Callable
 
 Calls = list[tuple[str, str]]  # (function name, arguments as JSON text)
+CallsWritten = list[tuple[str | None, str]]  # per call begun: (its name once whole, its arguments' text so far)
 
 
 def held_back(text: str, tag: str) -> int:
@@ -31,6 +36,92 @@ def held_back(text: str, tag: str) -> int:
         if tag.startswith(text[-keep:]):
             return keep
     return 0
+
+
+def skip(text: str, at: int, also: str = "") -> int:
+    """The index of the next character that is not whitespace or one of `also`."""
+    while at < len(text) and (text[at].isspace() or text[at] in also):
+        at += 1
+    return at
+
+
+def value_end(text: str, at: int) -> int | None:
+    """Where the JSON value starting at `at` ends, or None if it is not whole yet."""
+    if at >= len(text):
+        return None
+    depth, in_string, escaped, i = 0, False, False, at
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return i + 1 if depth == 0 else i
+        elif depth == 0 and ch in ",: \t\r\n":
+            return i
+        i += 1
+    return None
+
+
+def json_calls_written(text: str, arguments_keys: tuple[str, ...] = ("arguments",), separator: str = "") -> CallsWritten:
+    """How far JSON calls have got in `text` (still being written): one {"name", <an arguments
+    key>} object, an array of them, or objects one after another (whitespace or `separator`
+    between). Arguments written as a JSON string count from when they are whole (a whole reply's
+    call holds the string's content, not its quoted text)."""
+    calls: CallsWritten = []
+    at = skip(text, 0)
+    in_array = text.startswith("[", at)
+    at += in_array
+    while True:
+        at = skip(text, at, "," if in_array else separator)
+        if at >= len(text) or text[at] != "{":
+            return calls
+        name, arguments, at = None, "", at + 1
+        calls.append((name, arguments))
+        while True:
+            at = skip(text, at, ",")
+            key_end = value_end(text, at)
+            if key_end is None or text[at] != '"':
+                return calls
+            try:
+                key = json.loads(text[at:key_end])
+            except ValueError:
+                return calls
+            at = skip(text, key_end, ":")
+            end = value_end(text, at)
+            if key in arguments_keys and not text.startswith('"', at):
+                arguments = text[at:end if end is not None else len(text)]
+            elif key in arguments_keys and end is not None:
+                arguments = _string_value(text[at:end])
+            elif key == "name" and end is not None:
+                name = _string_value(text[at:end]) or None
+            calls[-1] = (name, arguments)
+            if end is None:
+                return calls
+            at = skip(text, end, ",")
+            if text.startswith("}", at):
+                at += 1
+                break
+
+
+def _string_value(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def _arguments_json(arguments) -> str | None:
@@ -67,36 +158,70 @@ def _all_or_none(calls: list) -> Calls | None:
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def _as_written(calls: Calls, written: CallsWritten) -> Calls:
+    """A whole reply's calls with the arguments as the model wrote them (what a stream sent),
+    wherever that text holds the same value as the parsed one."""
+    if len(written) != len(calls):
+        return calls
+    return [(name, raw if raw_name == name and raw and _same_json(raw, arguments) else arguments)
+            for (name, arguments), (raw_name, raw) in zip(calls, written)]
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return a == b
+
+
 class TaggedParser:
     """Calls after a marker; the text before the first marker is content. `keeps_special_tokens`:
-    the marker is a special token, which the reply's text must keep."""
+    the marker is a special token, which the reply's text must keep. `written`: how far the calls
+    after one marker have got (json_calls_written's answer)."""
 
-    def __init__(self, marker: str, calls: Callable[[str], Calls | None], keeps_special_tokens: bool = False):
-        self.marker, self._calls, self.keeps_special_tokens = marker, calls, keeps_special_tokens
+    def __init__(self, marker: str, calls: Callable[[str], Calls | None], written: Callable[[str], CallsWritten],
+                 keeps_special_tokens: bool = False):
+        self.marker, self._calls, self._written = marker, calls, written
+        self.keeps_special_tokens = keeps_special_tokens
 
     def parse(self, text: str) -> tuple[str | None, Calls | None]:
         start = text.find(self.marker)
         calls = None if start < 0 else self._calls(text[start:])
+        if calls is None:
+            return text, None
         # Only trailing whitespace goes: the content streamed so far is a prefix of this.
-        return (text, None) if calls is None else (text[:start].rstrip() or None, calls)
+        return text[:start].rstrip() or None, _as_written(calls, self.calls_written(text))
 
     def streamable(self, text: str) -> str:
         start = text.find(self.marker)
         return text[:start] if start >= 0 else text[:len(text) - held_back(text, self.marker)]
 
+    def calls_written(self, text: str) -> CallsWritten:
+        start = text.find(self.marker)
+        return [] if start < 0 else [c for piece in text[start:].split(self.marker)[1:] for c in self._written(piece)]
+
 
 class LeadingParser:
-    """A reply that is calls from its first character (after any `openers`' prefix) or text."""
+    """A reply that is calls from its first character (after any `openers`' prefix) or text.
+    `written`: how far the calls have got, from the reply's start (None: not followed; the calls
+    come whole once the reply parses)."""
 
     keeps_special_tokens = False
 
-    def __init__(self, openers: tuple[str, ...], calls: Callable[[str], Calls | None]):
-        self.openers, self._calls = openers, calls
+    def __init__(self, openers: tuple[str, ...], calls: Callable[[str], Calls | None],
+                 written: Callable[[str], CallsWritten] | None = None):
+        self.openers, self._calls, self._written = openers, calls, written
 
     def parse(self, text: str) -> tuple[str | None, Calls | None]:
         head = text.strip()
         calls = self._calls(head) if head.startswith(self.openers) else None
-        return (text, None) if calls is None else (None, calls)
+        return (text, None) if calls is None else (None, _as_written(calls, self.calls_written(text)))
+
+    def calls_written(self, text: str) -> CallsWritten:
+        head = text.lstrip()
+        if self._written is None or not head.startswith(self.openers):
+            return []
+        return self._written(head)
 
     def streamable(self, text: str) -> str:
         head = text.lstrip()
@@ -160,10 +285,29 @@ def _pythonic_calls(text: str) -> Calls | None:
     return _all_or_none(calls)
 
 
+def _hermes_written(piece: str) -> CallsWritten:
+    return json_calls_written(piece.split("</tool_call>", 1)[0])
+
+
+def _mistral_written(piece: str) -> CallsWritten:
+    if piece.lstrip().startswith("["):
+        return json_calls_written(piece)
+    name, sep, arguments = piece.partition("[ARGS]")
+    if not sep:
+        return [(None, "")]
+    at = skip(arguments, 0)
+    end = value_end(arguments, at) if arguments.startswith("{", at) else at
+    return [(name.strip() or None, arguments[at:len(arguments) if end is None else end])]
+
+
+def _llama3_written(head: str) -> CallsWritten:
+    return json_calls_written(head.removeprefix("<|python_tag|>"), ("parameters", "arguments"), separator=";")
+
+
 # The names are coordinator/server_options.py's TOOL_CALL_PARSERS (a test keeps them equal).
 PARSERS = {
-    "hermes": TaggedParser("<tool_call>", _hermes_calls),
-    "mistral": TaggedParser("[TOOL_CALLS]", _mistral_calls, keeps_special_tokens=True),
-    "llama3_json": LeadingParser(("<|python_tag|>", "{"), _llama3_calls),
-    "pythonic": LeadingParser(("[",), _pythonic_calls),
+    "hermes": TaggedParser("<tool_call>", _hermes_calls, _hermes_written),
+    "mistral": TaggedParser("[TOOL_CALLS]", _mistral_calls, _mistral_written, keeps_special_tokens=True),
+    "llama3_json": LeadingParser(("<|python_tag|>", "{"), _llama3_calls, _llama3_written),
+    "pythonic": LeadingParser(("[",), _pythonic_calls),  # Python, not JSON: its calls come whole
 }

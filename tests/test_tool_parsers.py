@@ -139,3 +139,49 @@ def test_required_calls_stream_as_they_are_written():
     cut = pieces[:5]
     assert ChatFormat(1, None, plan)._message("".join(cut), "length")[0] == {"content": "".join(cut)}
     assert stream_deltas(ChatFormat(1, None, plan), cut, "length")[-1] == {"content": "".join(cut)}
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": 2}}'
+               '</tool_call>\n<tool_call>{"name":"add","arguments":{"a":1.5,"b":[1,"x"]}}</tool_call>'),
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": 2}}, '
+               '{"name": "add", "arguments": {"a": 1.5, "b": [1, "x"]}}]</tool_call>'),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1.5,  "b": [1, "x"]}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa\\"ris", "days": 2} [TOOL_CALLS]add[ARGS]'
+                '{"a": 1.5, "b": [1, "x"]}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa\\"ris", "days": 2}}; '
+                    '{"name": "add", "parameters": {"a":1.5, "b":[1, "x"]}}'),
+])
+def test_auto_calls_stream_as_they_are_written(parser, text):
+    """tool_choice "auto" with a JSON format: each call's first delta carries its index, id and
+    name, the next ones pieces of its arguments, which add up to the unstreamed reply's calls (the
+    arguments as the model wrote them); the text before the calls streams as content."""
+    from coordinator.openai_responses import ChatFormat
+    from tests.test_reasoning_parsers import stream_deltas
+
+    plan = tool_call_plan(TOOLS, "auto", None, auto_parser=parser)
+    whole, finish = ChatFormat(1, None, plan)._message(text, "stop")
+    assert finish == "tool_calls" and [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == \
+        [{"city": 'Pa"ris', "days": 2}, ADD[1]]
+    for width in (1, 5):
+        deltas = stream_deltas(ChatFormat(1, None, plan), [text[i:i + width] for i in range(0, len(text), width)])
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        heads = [tc for tc in calls if "id" in tc]
+        assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_weather"), (1, "add")]
+        for k, call in enumerate(whole["tool_calls"]):
+            pieces = [tc["function"]["arguments"] for tc in calls if tc["index"] == k]
+            assert "".join(pieces) == call["function"]["arguments"] and len(pieces) > 2  # pieces, not whole
+        assert "".join(d.get("content") or "" for d in deltas).rstrip() == (whole["content"] or "")
+
+
+def test_pythonic_calls_come_whole_once_the_reply_parses():
+    from coordinator.openai_responses import ChatFormat
+    from tests.test_reasoning_parsers import stream_deltas
+
+    plan = tool_call_plan(TOOLS, "auto", None, auto_parser="pythonic")
+    text = '[get_weather(city="Paris", days=2), add(a=1.5, b=[1, \'x\'])]'
+    deltas = stream_deltas(ChatFormat(1, None, plan), [text[i:i + 4] for i in range(0, len(text), 4)])
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == [WEATHER, ADD]
+    assert all("tool_calls" not in d for d in deltas[:-1])  # nothing before the end
