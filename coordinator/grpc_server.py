@@ -11,6 +11,7 @@ open. Optional TLS.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -91,7 +92,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             if timeout is None:
                 timeout = state.request_timeout
             stream = state.engine.generate(prompt, token_ids, params, request.request_id, request.priority,
-                                           messages=messages, timeout=timeout)
+                                           messages=messages, timeout=timeout, chat_options=_chat_options(request))
             first = await anext(stream)
         except (ValueError, QueueFullError, EngineDeadError, DeadlineExceededError, RequestFailedError) as e:
             await self._fail(e, context)
@@ -141,6 +142,27 @@ def _prompt(request: serving_pb2.GenerateRequest) -> tuple[str | None, list[int]
             raise ValueError("chat.messages must not be empty")
         return None, None, messages
     raise ValueError("prompt: set one of text, chat or token_ids")
+
+
+def _chat_options(request: serving_pb2.GenerateRequest) -> dict | None:
+    """A chat prompt's template options (InputProcessor.chat_prompt_ids' keyword arguments);
+    ValueError naming the field for kwargs that are not a JSON object."""
+    if request.WhichOneof("prompt") != "chat":
+        return None
+    chat = request.chat
+    options = {name: getattr(chat, name) for name in ("add_generation_prompt", "continue_final_message")
+               if chat.HasField(name)}
+    if chat.chat_template:
+        options["chat_template"] = chat.chat_template
+    if chat.chat_template_kwargs:
+        try:
+            kwargs = json.loads(chat.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"chat_template_kwargs is not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a JSON object; got {type(kwargs).__name__}")
+        options["chat_template_kwargs"] = kwargs
+    return options
 
 
 def _responses(out, done: set[int], num_logprobs: int) -> list[serving_pb2.GenerateResponse]:

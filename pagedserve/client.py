@@ -8,7 +8,9 @@ A prompt is a string, a list of token ids, or a list of chat messages
 (`{"role": ..., "content": ...}`, rendered by the server's chat template). Keyword arguments are
 the fields of SamplingParams. Errors raise ServingError with the gRPC `.code` and `.details`.
 A structured output is one keyword: `client.generate(prompt, json_schema={...})`, `regex=...`,
-`choice=[...]`, `grammar=...` (Lark) or `json_object=True`.
+`choice=[...]`, `grammar=...` (Lark) or `json_object=True`. A chat prompt also takes the chat
+API's template options: `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`
+(a dict) and `chat_template` (if the server trusts requests with one).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Completion:
 
 # Keyword arguments that belong to the request rather than to its SamplingParams.
 _REQUEST_FIELDS = ("priority",)
+# Keyword arguments of a chat prompt's template (ChatMessages' fields).
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 # The members of SamplingParams' structured_output oneof.
 _STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
@@ -65,6 +69,9 @@ def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateReques
     """`sampling`: SamplingParams' fields, and one structured output at most: `json_schema` (a dict
     or its JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark) or `json_object=True`."""
     extra = {name: sampling.pop(name) for name in _REQUEST_FIELDS if name in sampling}
+    chat_options = {name: sampling.pop(name) for name in _CHAT_FIELDS if sampling.get(name) is not None}
+    if isinstance(chat_options.get("chat_template_kwargs"), dict):
+        chat_options["chat_template_kwargs"] = json.dumps(chat_options["chat_template_kwargs"])
     structured = [name for name in _STRUCTURED_FIELDS if sampling.get(name) not in (None, False)]
     if len(structured) > 1:
         raise ValueError(f"set one structured output at most; got {', '.join(structured)}")
@@ -73,11 +80,15 @@ def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateReques
     if sampling.get("choice") is not None:
         sampling["choice"] = pb.Choices(choices=list(sampling["choice"]))
     params = pb.SamplingParams(**sampling)
+    is_chat = not isinstance(prompt, str) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+    if chat_options and not is_chat:
+        raise ValueError(f"{next(iter(chat_options))} applies to a chat prompt (a list of messages)")
     if isinstance(prompt, str):
         return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id, **extra)
     prompt = list(prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt])
+    if is_chat:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt],
+                               **chat_options)
         return pb.GenerateRequest(chat=chat, sampling=params, request_id=request_id, **extra)
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id, **extra)
 

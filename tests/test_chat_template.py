@@ -144,6 +144,27 @@ def test_template_kwargs_reach_the_template_and_bad_ones_are_refused(server, bun
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
+def test_grpc_chat_takes_the_template_options(server, bundled_tokenizer):
+    """The gRPC door's chat prompt takes what the HTTP chat takes: template variables, no
+    generation prompt, a continued last message; bad ones are INVALID_ARGUMENT naming the field."""
+    _, target, _ = server
+    with pagedserve.Client(target, timeout=60) as grpc_client:
+        def prompt_tokens(messages=HI, **options):
+            return grpc_client.generate(messages, max_tokens=1, temperature=0, **options).usage["prompt_tokens"]
+
+        persona = expected_ids(bundled_tokenizer, "[persona: a careful librarian]\n<user> Hi there\n<assistant>")
+        assert prompt_tokens(chat_template_kwargs={"persona": "a careful librarian"}) == len(persona)
+        assert prompt_tokens(add_generation_prompt=False) == len(expected_ids(bundled_tokenizer, "<user> Hi there\n"))
+        for options, message in [({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs may not set"),
+                                 ({"chat_template": OTHER}, "chat_template: this server does not take"),
+                                 ({"continue_final_message": True}, "continue_final_message and add_generation")]:
+            with pytest.raises(pagedserve.client.ServingError) as err:
+                prompt_tokens(**options)
+            assert err.value.code.name == "INVALID_ARGUMENT" and message in err.value.details, err.value.details
+        with pytest.raises(ValueError, match="chat_template_kwargs applies to a chat prompt"):
+            grpc_client.generate("plain", chat_template_kwargs={"persona": "x"})
+
+
 def test_a_trusting_server_takes_a_request_template(ray_session, tiny_llama, bundled_tokenizer):
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, distributed_executor_backend="uni")
     with running_coordinator(config, trust_request_chat_template=True) as (actor, _):

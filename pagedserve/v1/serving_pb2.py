@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/serving.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\t\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x15 \x01(\x08\x12\x17\n\nbeam_width\x18\x16 \x01(\x05H\x0c\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x17 \x01(\x02H\r\x88\x01\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\x18 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\x05H\x0e\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x1a \x01(\tH\x00\x12\x0f\n\x05regex\x18\x1b \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x1c \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x1d \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x1e \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x1f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"I\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xf3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.pagedserve.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x38\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobsB\x15\n\x13_cumulative_logprob\"\x11\n\x0fGetStatsRequest\"{\n\x10GetStatsResponse\x12\x39\n\x05stats\x18\x01 \x03(\x0b\x32*.pagedserve.v1.GetStatsResponse.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xa5\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1f.pagedserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/serving.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xef\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\tB\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_message\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\t\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\x0fuse_beam_search\x18\x15 \x01(\x08\x12\x17\n\nbeam_width\x18\x16 \x01(\x05H\x0c\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x17 \x01(\x02H\r\x88\x01\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\x18 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\x05H\x0e\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x1a \x01(\tH\x00\x12\x0f\n\x05regex\x18\x1b \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x1c \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x1d \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x1e \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x1f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"I\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xf3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.pagedserve.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x38\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobsB\x15\n\x13_cumulative_logprob\"\x11\n\x0fGetStatsRequest\"{\n\x10GetStatsResponse\x12\x39\n\x05stats\x18\x01 \x03(\x0b\x32*.pagedserve.v1.GetStatsResponse.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xa5\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1f.pagedserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,34 +37,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_STATSENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
-  _globals['_CHATMESSAGES']._serialized_start=92
-  _globals['_CHATMESSAGES']._serialized_end=152
-  _globals['_TOKENIDS']._serialized_start=154
-  _globals['_TOKENIDS']._serialized_end=177
-  _globals['_SAMPLINGPARAMS']._serialized_start=180
-  _globals['_SAMPLINGPARAMS']._serialized_end=1276
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1005
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1053
-  _globals['_CHOICES']._serialized_start=1278
-  _globals['_CHOICES']._serialized_end=1304
-  _globals['_GENERATEREQUEST']._serialized_start=1307
-  _globals['_GENERATEREQUEST']._serialized_end=1528
-  _globals['_TIMING']._serialized_start=1530
-  _globals['_TIMING']._serialized_end=1603
-  _globals['_USAGE']._serialized_start=1605
-  _globals['_USAGE']._serialized_end=1692
-  _globals['_TOKENLOGPROB']._serialized_start=1694
-  _globals['_TOKENLOGPROB']._serialized_end=1780
-  _globals['_POSITIONLOGPROBS']._serialized_start=1782
-  _globals['_POSITIONLOGPROBS']._serialized_end=1888
-  _globals['_GENERATERESPONSE']._serialized_start=1891
-  _globals['_GENERATERESPONSE']._serialized_end=2262
-  _globals['_GETSTATSREQUEST']._serialized_start=2264
-  _globals['_GETSTATSREQUEST']._serialized_end=2281
-  _globals['_GETSTATSRESPONSE']._serialized_start=2283
-  _globals['_GETSTATSRESPONSE']._serialized_end=2406
-  _globals['_GETSTATSRESPONSE_STATSENTRY']._serialized_start=2362
-  _globals['_GETSTATSRESPONSE_STATSENTRY']._serialized_end=2406
-  _globals['_SERVING']._serialized_start=2409
-  _globals['_SERVING']._serialized_end=2574
+  _globals['_CHATMESSAGES']._serialized_start=93
+  _globals['_CHATMESSAGES']._serialized_end=332
+  _globals['_TOKENIDS']._serialized_start=334
+  _globals['_TOKENIDS']._serialized_end=357
+  _globals['_SAMPLINGPARAMS']._serialized_start=360
+  _globals['_SAMPLINGPARAMS']._serialized_end=1456
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1185
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1233
+  _globals['_CHOICES']._serialized_start=1458
+  _globals['_CHOICES']._serialized_end=1484
+  _globals['_GENERATEREQUEST']._serialized_start=1487
+  _globals['_GENERATEREQUEST']._serialized_end=1708
+  _globals['_TIMING']._serialized_start=1710
+  _globals['_TIMING']._serialized_end=1783
+  _globals['_USAGE']._serialized_start=1785
+  _globals['_USAGE']._serialized_end=1872
+  _globals['_TOKENLOGPROB']._serialized_start=1874
+  _globals['_TOKENLOGPROB']._serialized_end=1960
+  _globals['_POSITIONLOGPROBS']._serialized_start=1962
+  _globals['_POSITIONLOGPROBS']._serialized_end=2068
+  _globals['_GENERATERESPONSE']._serialized_start=2071
+  _globals['_GENERATERESPONSE']._serialized_end=2442
+  _globals['_GETSTATSREQUEST']._serialized_start=2444
+  _globals['_GETSTATSREQUEST']._serialized_end=2461
+  _globals['_GETSTATSRESPONSE']._serialized_start=2463
+  _globals['_GETSTATSRESPONSE']._serialized_end=2586
+  _globals['_GETSTATSRESPONSE_STATSENTRY']._serialized_start=2542
+  _globals['_GETSTATSRESPONSE_STATSENTRY']._serialized_end=2586
+  _globals['_SERVING']._serialized_start=2589
+  _globals['_SERVING']._serialized_end=2754
 # @@protoc_insertion_point(module_scope)
