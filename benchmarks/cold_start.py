@@ -103,8 +103,11 @@ def main(argv=None) -> None:
 def _joined_starts(cache: str, port: int, count: int) -> list[dict]:
     """`count` cached starts joining one Ray head started here first (stopped after)."""
     ray_cli = str(Path(sys.executable).with_name("ray"))
+    # The cluster's processes (the coordinator and workers that read the cache) take their
+    # environment from `ray start`, not from `serve`: the cache is set there.
     subprocess.run([ray_cli, "start", "--head", f"--num-cpus={os.cpu_count() or 1}", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    "--disable-usage-stats"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "PAGEDSERVE_CACHE": cache})
     try:
         time.sleep(3)  # the head's agents finish starting: a deployment's Ray has been up a while
         joined = []
