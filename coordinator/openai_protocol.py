@@ -47,6 +47,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _GenerationRequest(_Body):
@@ -87,6 +88,10 @@ class _GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def check_supported(self) -> None:
         for name in self.model_fields_set & _NOT_SUPPORTED.keys():

@@ -137,7 +137,8 @@ class OpenAIServing:
         fmt = CompletionFormat(params.n, params.logprobs, bool(req.echo), req.prompt_logprobs is not None,
                                engine.llm_engine.tokenizer)
         if req.stream:
-            return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(i, out), req.include_usage))
+            return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(i, out), req.include_usage,
+                                              continuous_usage=req.continuous_usage))
         try:
             finals = await group.finals()
         finally:
@@ -158,7 +159,7 @@ class OpenAIServing:
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,
-                                              first=fmt.first_deltas(params.n)))
+                                              first=fmt.first_deltas(params.n), continuous_usage=req.continuous_usage))
         try:
             (final,) = await group.finals()
         finally:
@@ -212,21 +213,25 @@ class ChunkStream:
 
 
 async def _chunks(group: RequestGroup, head: dict, deltas, include_usage: bool,
-                  first: list[dict] | None = None) -> AsyncIterator[dict]:
-    """Chunks as outputs come; with include_usage every chunk has `usage: null` and a last one
-    (no choices) carries the totals."""
+                  first: list[dict] | None = None, continuous_usage: bool = False) -> AsyncIterator[dict]:
+    """Chunks as outputs come; with include_usage every chunk has `usage: null` (the usage so
+    far, with `continuous_usage`) and a last one (no choices) carries the totals."""
     extra = {"usage": None} if include_usage else {}
-    finals: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}  # each prompt's output so far
     try:
         if first:
+            prompt = sum(len(ids) for ids in group.prompt_token_ids)
+            if continuous_usage:
+                extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}}
             yield {**head, "choices": first, **extra}
         async for i, out in group.outputs():
-            if out.finished:
-                finals[i] = out
+            latest[i] = out
             choices = deltas(i, out)
             if choices:
+                if continuous_usage:
+                    extra = {"usage": usage(list(latest.values()))}
                 yield {**head, "choices": choices, **extra}
         if include_usage:
-            yield {**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])}
+            yield {**head, "choices": [], "usage": usage([latest[i] for i in sorted(latest)])}
     finally:
         group.close()

@@ -122,6 +122,13 @@ def test_stream_ends_with_the_usage_chunk_then_done(client, server):
     finished = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
     assert sorted(finished) == [0, 1]
 
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    streamed = list(client.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs))
+    counts = [c.usage.completion_tokens for c in streamed]
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 2
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in streamed)
+
 
 def test_n_samples_of_each_prompt_are_numbered_in_order(client, server):
     prompts = ["Once upon a time", "In a galaxy far away"]
