@@ -1,5 +1,7 @@
 """The Prometheus endpoint: `/metrics` over HTTP, names prefixed `pagedserve_`, labelled with the
-model name; counters end in `_total`.
+model name; counters end in `_total`. The series that vLLM's dashboards, alerts and autoscalers
+read also come under vLLM's names (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, ...;
+VLLM_NAMES), with the same `model_name` label, so that those work unchanged.
 
 A custom collector reads the engine's figures when scraped, from the HTTP server's thread: the
 latest per-step snapshot and the metrics' counters and histograms (plain ints and floats).
@@ -25,6 +27,33 @@ CLUSTER_COUNTERS = {  # the router's, when there is one
     "pd_fallback_recomputes": "Requests routed for prefill/decode whose decode replica computed the whole "
                               "prompt instead (the prefill replica failed, or the lease expired first)",
     "pd_store_restarts": "Times the KV store shared by prefill and decode replicas died and was replaced",
+}
+
+
+# vLLM's name -> (type, help, the value from (stats, engine)); counters get `_total` on the wire.
+VLLM_NAMES = {
+    "vllm:num_requests_running": ("gauge", "Requests running", lambda s, e: s["num_requests_running"]),
+    "vllm:num_requests_waiting": ("gauge", "Requests waiting", lambda s, e: s["num_requests_waiting"]),
+    "vllm:num_requests_swapped": ("gauge", "Requests swapped out", lambda s, e: s["num_requests_swapped"]),
+    "vllm:kv_cache_usage_perc": ("gauge", "Share of KV blocks in use (0..1)", lambda s, e: s["kv_usage"]),
+    "vllm:prompt_tokens": ("counter", "Prompt tokens", lambda s, e: s["prompt_tokens"]),
+    "vllm:generation_tokens": ("counter", "Generated tokens", lambda s, e: s["generation_tokens"]),
+    "vllm:num_preemptions": ("counter", "Preemptions",
+                             lambda s, e: s["num_swap_preemptions"] + s["num_recompute_preemptions"]),
+    "vllm:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache",
+                                  lambda s, e: s["prefix_cache_queries"]),
+    "vllm:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache", lambda s, e: s["prefix_cache_hits"]),
+    "vllm:spec_decode_num_draft_tokens": ("counter", "Speculative draft tokens",
+                                          lambda s, e: s["spec_draft_tokens_total"]),
+    "vllm:spec_decode_num_accepted_tokens": ("counter", "Speculative draft tokens accepted",
+                                             lambda s, e: s["spec_accepted_tokens_total"]),
+}
+VLLM_HISTOGRAMS = {  # vLLM's name -> ours (metrics.HISTOGRAMS)
+    "vllm:time_to_first_token_seconds": "time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds": "inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds": "request_queue_time_seconds",
+    "vllm:iteration_tokens_total": "tokens_per_step",
 }
 
 
@@ -150,6 +179,29 @@ class PagedserveCollector:
         yield self._histogram("block_allocation_latency_microseconds",
                               "Latency of one KV block allocation (one in ALLOC_SAMPLE_EVERY is timed)",
                               replicas, lambda e: e.metrics.alloc_latency_us)
+        yield from self._vllm_families(replicas)
+
+    def _vllm_families(self, replicas):
+        """The same figures under vLLM's (v1) names, for what reads vLLM's."""
+        def family(cls, name, doc, value_of, label=None):
+            f = cls(name, doc, labels=["model_name", "replica"] + ([label] if label else []))
+            for labels, engine, s in replicas:
+                values = value_of(s, engine)
+                for key, v in (values.items() if label else [(None, values)]):
+                    f.add_metric(labels + ([key] if label else []), v)
+            return f
+
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        for name, (kind, doc, value_of) in VLLM_NAMES.items():
+            yield family(G if kind == "gauge" else C, name, doc, value_of)
+        yield family(C, "vllm:request_success", "Requests finished, by reason",
+                     lambda s, e: {r: e.metrics.finished[r] for r in ("stop", "length", "abort")}, "finished_reason")
+        for vllm_name, ours in VLLM_HISTOGRAMS.items():
+            f = HistogramMetricFamily(vllm_name, HISTOGRAMS[ours][1], labels=["model_name", "replica"])
+            for labels, engine, _ in replicas:
+                h = engine.metrics.histograms[ours]
+                f.add_metric(labels, _buckets(h), h.sum)
+            yield f
 
     def _histogram(self, name: str, doc: str, replicas, histogram_of) -> HistogramMetricFamily:
         family = self._family(HistogramMetricFamily, name, doc, ["replica"])

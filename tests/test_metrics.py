@@ -171,6 +171,20 @@ def test_scraped_during_a_run_names_types_and_invariants_hold(server):
     if value(m, "pagedserve_preemptions", "pagedserve_preemptions_total", mode="swap"):
         assert value(m, "pagedserve_swapped_out_bytes", "pagedserve_swapped_out_bytes_total") > 0
 
+    # The same figures under vLLM's names, for dashboards and autoscalers made for vLLM.
+    for ours, theirs in [("pagedserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("pagedserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("pagedserve_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")]:
+        assert value(m, ours.removesuffix("_total"), ours) == value(m, theirs.removesuffix("_total"), theirs)
+    assert value(m, "vllm:num_preemptions", "vllm:num_preemptions_total") == preemptions
+    assert value(m, "vllm:num_requests_running") == value(m, "vllm:num_requests_waiting") == 0
+    assert value(m, "vllm:kv_cache_usage_perc") == value(m, "pagedserve_kv_cache_usage_ratio", tier="device")
+    assert value(m, "vllm:request_success", "vllm:request_success_total", finished_reason="length") == NUM_REQUESTS
+    assert m["vllm:time_to_first_token_seconds"]["type"] == "histogram"
+    assert value(m, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == NUM_REQUESTS * 23
+    assert value(m, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == \
+        value(m, "pagedserve_tokens_per_step", "pagedserve_tokens_per_step_count")
+
     # GetStats carries the same figures.
     with pagedserve.Client(target, timeout=30) as client:
         stats = client.stats()
