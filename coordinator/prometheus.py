@@ -30,30 +30,31 @@ CLUSTER_COUNTERS = {  # the router's, when there is one
 }
 
 
-# vLLM's name -> (type, help, the value from (stats, engine)); counters get `_total` on the wire.
+# vLLM's name (after its `vllm:` prefix) -> (type, help, the value from (stats, engine)); counters
+# get `_total` on the wire.
 VLLM_NAMES = {
-    "vllm:num_requests_running": ("gauge", "Requests running", lambda s, e: s["num_requests_running"]),
-    "vllm:num_requests_waiting": ("gauge", "Requests waiting", lambda s, e: s["num_requests_waiting"]),
-    "vllm:num_requests_swapped": ("gauge", "Requests swapped out", lambda s, e: s["num_requests_swapped"]),
-    "vllm:kv_cache_usage_perc": ("gauge", "Share of KV blocks in use (0..1)", lambda s, e: s["kv_usage"]),
-    "vllm:prompt_tokens": ("counter", "Prompt tokens", lambda s, e: s["prompt_tokens"]),
-    "vllm:generation_tokens": ("counter", "Generated tokens", lambda s, e: s["generation_tokens"]),
-    "vllm:num_preemptions": ("counter", "Preemptions",
-                             lambda s, e: s["num_swap_preemptions"] + s["num_recompute_preemptions"]),
-    "vllm:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache",
-                                  lambda s, e: s["prefix_cache_queries"]),
-    "vllm:prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache", lambda s, e: s["prefix_cache_hits"]),
-    "vllm:spec_decode_num_draft_tokens": ("counter", "Speculative draft tokens",
-                                          lambda s, e: s["spec_draft_tokens_total"]),
-    "vllm:spec_decode_num_accepted_tokens": ("counter", "Speculative draft tokens accepted",
-                                             lambda s, e: s["spec_accepted_tokens_total"]),
+    "num_requests_running": ("gauge", "Requests running", lambda s, e: s["num_requests_running"]),
+    "num_requests_waiting": ("gauge", "Requests waiting", lambda s, e: s["num_requests_waiting"]),
+    "num_requests_swapped": ("gauge", "Requests swapped out", lambda s, e: s["num_requests_swapped"]),
+    "kv_cache_usage_perc": ("gauge", "Share of KV blocks in use (0..1)", lambda s, e: s["kv_usage"]),
+    "prompt_tokens": ("counter", "Prompt tokens", lambda s, e: s["prompt_tokens"]),
+    "generation_tokens": ("counter", "Generated tokens", lambda s, e: s["generation_tokens"]),
+    "num_preemptions": ("counter", "Preemptions",
+                        lambda s, e: s["num_swap_preemptions"] + s["num_recompute_preemptions"]),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache",
+                             lambda s, e: s["prefix_cache_queries"]),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache", lambda s, e: s["prefix_cache_hits"]),
+    "spec_decode_num_draft_tokens": ("counter", "Speculative draft tokens",
+                                     lambda s, e: s["spec_draft_tokens_total"]),
+    "spec_decode_num_accepted_tokens": ("counter", "Speculative draft tokens accepted",
+                                        lambda s, e: s["spec_accepted_tokens_total"]),
 }
-VLLM_HISTOGRAMS = {  # vLLM's name -> ours (metrics.HISTOGRAMS)
-    "vllm:time_to_first_token_seconds": "time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds": "inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds": "e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds": "request_queue_time_seconds",
-    "vllm:iteration_tokens_total": "tokens_per_step",
+VLLM_HISTOGRAMS = {  # vLLM's name (after `vllm:`) -> ours (metrics.HISTOGRAMS)
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "request_queue_time_seconds": "request_queue_time_seconds",
+    "iteration_tokens_total": "tokens_per_step",
 }
 
 
@@ -73,8 +74,8 @@ class PagedserveCollector:
     def describe(self):
         return []  # no fixed set before the first scrape: skip the registry's duplicate check
 
-    def _family(self, cls, name: str, doc: str, labels=(), **kw):
-        return cls(PREFIX + name, doc, labels=["model_name", *labels], **kw)
+    def _family(self, cls, name: str, doc: str, labels=(), prefix: str = PREFIX, **kw):
+        return cls(prefix + name, doc, labels=["model_name", *labels], **kw)
 
     def collect(self):
         model = [self.model_name]
@@ -99,14 +100,14 @@ class PagedserveCollector:
 
         replicas = [([self.model_name, label], engine, engine_stats(engine)) for label, engine in engines]
 
-        def simple(cls, name, doc, value_of):
-            f = self._family(cls, name, doc, ["replica"])
+        def simple(cls, name, doc, value_of, prefix=PREFIX):
+            f = self._family(cls, name, doc, ["replica"], prefix)
             for labels, engine, s in replicas:
                 f.add_metric(labels, value_of(s, engine))
             return f
 
-        def labelled(cls, name, doc, label, values_of):
-            f = self._family(cls, name, doc, ["replica", label])
+        def labelled(cls, name, doc, label, values_of, prefix=PREFIX):
+            f = self._family(cls, name, doc, ["replica", label], prefix)
             for labels, engine, s in replicas:
                 for key, value in values_of(s, engine).items():
                     f.add_metric(labels + [key], value)
@@ -179,32 +180,17 @@ class PagedserveCollector:
         yield self._histogram("block_allocation_latency_microseconds",
                               "Latency of one KV block allocation (one in ALLOC_SAMPLE_EVERY is timed)",
                               replicas, lambda e: e.metrics.alloc_latency_us)
-        yield from self._vllm_families(replicas)
-
-    def _vllm_families(self, replicas):
-        """The same figures under vLLM's (v1) names, for what reads vLLM's."""
-        def family(cls, name, doc, value_of, label=None):
-            f = cls(name, doc, labels=["model_name", "replica"] + ([label] if label else []))
-            for labels, engine, s in replicas:
-                values = value_of(s, engine)
-                for key, v in (values.items() if label else [(None, values)]):
-                    f.add_metric(labels + ([key] if label else []), v)
-            return f
-
-        G, C = GaugeMetricFamily, CounterMetricFamily
+        # The same figures under vLLM's (v1) names, for what reads vLLM's.
         for name, (kind, doc, value_of) in VLLM_NAMES.items():
-            yield family(G if kind == "gauge" else C, name, doc, value_of)
-        yield family(C, "vllm:request_success", "Requests finished, by reason",
-                     lambda s, e: {r: e.metrics.finished[r] for r in ("stop", "length", "abort")}, "finished_reason")
-        for vllm_name, ours in VLLM_HISTOGRAMS.items():
-            f = HistogramMetricFamily(vllm_name, HISTOGRAMS[ours][1], labels=["model_name", "replica"])
-            for labels, engine, _ in replicas:
-                h = engine.metrics.histograms[ours]
-                f.add_metric(labels, _buckets(h), h.sum)
-            yield f
+            yield simple(G if kind == "gauge" else C, name, doc, value_of, prefix="vllm:")
+        yield labelled(C, "request_success", "Requests finished, by reason", "finished_reason",
+                       lambda s, e: {r: e.metrics.finished[r] for r in ("stop", "length", "abort")}, prefix="vllm:")
+        for name, ours in VLLM_HISTOGRAMS.items():
+            yield self._histogram(name, HISTOGRAMS[ours][1], replicas,
+                                  lambda e, ours=ours: e.metrics.histograms[ours], prefix="vllm:")
 
-    def _histogram(self, name: str, doc: str, replicas, histogram_of) -> HistogramMetricFamily:
-        family = self._family(HistogramMetricFamily, name, doc, ["replica"])
+    def _histogram(self, name: str, doc: str, replicas, histogram_of, prefix: str = PREFIX) -> HistogramMetricFamily:
+        family = self._family(HistogramMetricFamily, name, doc, ["replica"], prefix)
         for labels, engine, _ in replicas:
             h: Histogram = histogram_of(engine)
             family.add_metric(labels, _buckets(h), h.sum)

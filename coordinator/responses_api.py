@@ -26,7 +26,7 @@ from typing import Any
 
 from coordinator.async_engine import AsyncEngine
 from coordinator.openai_protocol import ChatCompletionRequest, _Body
-from coordinator.openai_responses import ChatFormat
+from coordinator.openai_responses import ChatFormat, usage
 from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
 
@@ -371,11 +371,11 @@ def _copy(item: dict) -> dict:
 
 
 def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
-    prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-    cached = final.metrics.num_cached_tokens if final.metrics is not None else 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt + output}
+    """Chat's usage (openai_responses.usage) under the Responses API's names."""
+    counts = usage([final])
+    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": counts["total_tokens"]}
 
 
 class ResponsesServing:
