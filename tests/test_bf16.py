@@ -56,7 +56,7 @@ def test_with_native_bf16_a_few_rows_take_the_c_kernel_and_more_take_onednns_gem
 
 @pytest.mark.parametrize("tokens", [1, 130])
 def test_a_packed_layer_without_its_plain_weight_runs_on_the_packed_one(tokens, monkeypatch):
-    """After pack_bf16_weights a layer's weight is a meta tensor: every row count, a decode's few
+    """After pack_weights a layer's weight is a meta tensor: every row count, a decode's few
     included, runs oneDNN's GEMM on the packed weight, and gives torch's bf16 result."""
     if not llama._mkldnn_bf16():
         pytest.skip("torch has no oneDNN bf16 GEMM here")

@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.config import ModelSource
 from workers.gguf_cache import dense_weights_path, write_dense_weights
-from workers.models.llama import LlamaForCausalLM, pack_bf16_weights, rope_tables
+from workers.models.llama import LlamaForCausalLM, pack_weights, rope_tables
 from workers.parallel import TensorParallel
 from workers.quantization import check_supported, quantize_model
 
@@ -49,7 +49,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     if quantization != "none":
         check_supported(quantization, device)
         quantize_model(model, dtype)
-    pack_bf16_weights(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's layout, packed once
+    pack_weights(model)  # fp32, and bf16 on a CPU with bf16 arithmetic: oneDNN's layout, packed once
     return model
 
 

@@ -37,7 +37,7 @@ def _native_cpu_bf16() -> bool:
 WIDEN_BF16 = not _native_cpu_bf16()
 # With native bf16, torch's bf16 GEMM (oneDNN, AMX where there is AMX) is fast once the weight is
 # in its blocked layout, which F.linear redoes on every call: SmolLM2's 30 layers, 2 cores with
-# AMX, F.linear / the weight packed once (`pack_bf16_weights`): 1 row 19.9 / 13.8 ms, 16 rows
+# AMX, F.linear / the weight packed once (`pack_weights`): 1 row 19.9 / 13.8 ms, 16 rows
 # 21.7 / 14.5, 64 rows 27.4 / 18.6, 256 rows 53.0 / 42.4. At a decode's few rows the C kernel on
 # AVX512-BF16 dot products (bf16 rows as they are, kernels/cpu/weight_gemv.c) beats both, 10.2 ms
 # at 1 and at 4 rows, 18.1 at 8, but it reads the plain weight, which packing gives up: it serves
@@ -52,16 +52,43 @@ def _mkldnn_bf16() -> bool:
         return False
 
 
-def pack_bf16_weights(model: LlamaForCausalLM) -> int:
-    """On a CPU that multiplies bf16 natively, put every bf16 linear layer's weight in oneDNN's
-    blocked layout (`packed_weight`; the LM head's is the model's `packed_lm_head`), for `linear`.
-    The plain weight gives way to a meta tensor of its shape and dtype (the memory is held once);
-    an LM head tied to the embeddings keeps it, as the embeddings. Returns the weights packed."""
-    if WIDEN_BF16 or not _mkldnn_bf16():
-        return 0
+# fp32 layers too run oneDNN's GEMM on a weight packed once in its blocked layout, 1.2-1.5x
+# MKL's sgemm at every row count above a few (SmolLM2's 30 layers, 2 cores, the faster of
+# F.linear and W @ x^T against packed: 8 rows 24.2 / 20.0 ms, 64 rows 112 / 80, 256 rows 443 /
+# 311, 2,048 rows 2,566 / 2,022; its LM head at 64 rows 33 / 18). Up to this many rows the C
+# kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
+# keeps the plain weight beside the packed copy: the linear weights are held twice.
+F32_KERNEL_ROWS = 4
+
+
+def _mkldnn_f32() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+PACK_F32 = _mkldnn_f32()
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) on oneDNN's GEMM, W packed by `pack_weights`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_weights(model: LlamaForCausalLM) -> int:
+    """Put every CPU linear layer's weight in oneDNN's blocked layout (`packed_weight`; the LM
+    head's is the model's `packed_lm_head`), for `linear`: fp32 layers (keeping the plain weight
+    for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
+    where the plain weight gives way to a meta tensor (held once); an LM head tied to the
+    embeddings keeps it, as the embeddings. int8 layers are left as they are. Returns the
+    weights packed."""
+    bf16 = not WIDEN_BF16 and _mkldnn_bf16()
 
     def packable(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        if weight.device.type != "cpu":
+            return False
+        return (weight.dtype == torch.bfloat16 and bf16) or (weight.dtype == torch.float32 and PACK_F32)
 
     head = model.lm_head_weight()
     done = 0
@@ -74,14 +101,15 @@ def pack_bf16_weights(model: LlamaForCausalLM) -> int:
                 if module.weight is not head:
                     module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
                     done += 1
-                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+                if module.weight.dtype == torch.bfloat16:
+                    module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
     return done
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, a bf16
-    weight's oneDNN layout (`pack_bf16_weights`; `weight` is then a meta tensor unless it is kept
+    """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, the weight
+    in oneDNN's layout (`pack_weights`; a bf16 `weight` is then a meta tensor unless it is kept
     for another use)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
@@ -92,7 +120,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 out = bf16_dot_linear(x, weight)
             if out is None:
                 if packed is not None:
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                    return onednn_linear(x, packed, bias)
                 return F.linear(x, weight, bias)
             return out if bias is None else out + bias
         # No bf16 arithmetic: a few rows through the C kernel, which widens each bf16 weight as it
@@ -111,6 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if out is None:
             out = linear(x, weight.to(x.dtype)) * scale
         return out if bias is None else out + bias
+    if packed is not None and x.shape[0] > F32_KERNEL_ROWS:
+        return onednn_linear(x, packed, bias)
     if x.shape[0] > SKINNY_TOKENS:
         return F.linear(x, weight, bias)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel
@@ -127,6 +157,8 @@ LM_HEAD_CHUNK = 2048
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`: as `linear`)."""
+    if packed is not None and x.shape[0] > F32_KERNEL_ROWS and x.dtype == torch.float32:
+        return onednn_linear(x, packed)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel (1 row: 4 against 11 ms)
     if out is not None:
         return out
