@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.config import ModelSource
 from workers.gguf_cache import dense_weights_path, write_dense_weights
-from workers.models.llama import LlamaForCausalLM, pack_weights, rope_tables
+from workers.models.llama import LlamaForCausalLM, pack_weights
 from workers.parallel import TensorParallel
 from workers.quantization import check_supported, quantize_model
 
@@ -39,11 +39,11 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
                tp: TensorParallel = TensorParallel(), quantization: str = "none") -> LlamaForCausalLM:
     """This rank's shard of the model: every rank reads the checkpoint and keeps its slices
     (then quantizes them, with `quantization` "int8": workers/quantization.py)."""
-    with torch.device("meta"), _no_weight_init():
+    # Built on the device with its parameters left uninitialized (the loaded weights fill them):
+    # building on "meta" and then to_empty() cost a second here, where torch's empty_like on meta
+    # tensors goes through its reference ops and imports sympy.
+    with torch.device(device), _no_weight_init():
         model = LlamaForCausalLM(hf_config, max_positions, tp)
-    # Buffers (rope tables) are computed, not loaded: build them for real on the target device.
-    model = model.to_empty(device=device)
-    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(hf_config, max_positions))
     model.load_weights(_named_tensors(source))
     model = model.to(dtype=dtype).eval()
     if quantization != "none":
@@ -55,9 +55,9 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
 
 @contextlib.contextmanager
 def _no_weight_init():
-    """Skip the random init of layers whose weights are loaded next: on the meta device it does
-    no work, but torch routes it through its reference ops, whose first use imports
-    torch._dynamo (seconds of a worker's start)."""
+    """Skip the random init of layers whose weights are loaded next: seconds of a worker's start
+    on a CPU for nothing (on the meta device no work, but torch routes it through its reference
+    ops, whose first use imports torch._dynamo)."""
     saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
     for cls in saved:
         cls.reset_parameters = lambda self: None
