@@ -137,6 +137,15 @@ def test_dequantized_weights_are_cached_and_the_next_load_reads_them(tmp_path, m
     assert all(torch.equal(first[name], again[name]) for name in again)
 
 
+def _in_fresh_process(cache, module: str, function: str, show: str) -> list[str]:
+    """What a new process with `cache` as its PAGEDSERVE_CACHE prints of `show`, an expression
+    of `x = function(the bundled model's source)` (and of sys)."""
+    code = (f"import sys; from pagedserve.config import resolve_model; from {module} import {function}; "
+            f"x = {function}(resolve_model('smollm2-135m-instruct')); print({show})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True,
+                          env={**os.environ, "PAGEDSERVE_CACHE": str(cache)}).stdout.split()
+
+
 def test_the_gguf_tokenizer_and_config_are_cached_and_read_back_equal(tmp_path, monkeypatch):
     """Converting them from the GGUF file takes seconds each in every process that loads the
     model; the cached copies must behave exactly as the converted ones."""
@@ -173,19 +182,21 @@ def test_the_gguf_tokenizer_and_config_are_cached_and_read_back_equal(tmp_path, 
         converted_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok)) == \
         (converted_tok.eos_token_id, converted_tok.bos_token_id, converted_tok.pad_token_id, len(converted_tok))
+    assert type(tok) is type(converted_tok)
     differing = {k for k, v in converted_cfg.to_dict().items() if cfg.to_dict().get(k) != v}
     assert differing <= {"_name_or_path"}
     assert type(cfg) is type(converted_cfg) and isinstance(cfg, transformers.PretrainedConfig)
 
     # What the engine reads: the config's every attribute, without importing transformers.
-    probe = ("import sys; from pagedserve.config import resolve_model; "
-             "from workers.model_config import load_hf_config; "
-             "c = load_hf_config(resolve_model('smollm2-135m-instruct')); "
-             "print(type(c).__name__, c.num_hidden_layers, c.rope_parameters['rope_theta'], 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, check=True, text=True,
-                         env={**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}).stdout.split()
+    out = _in_fresh_process(tmp_path, "workers.model_config", "load_hf_config",
+                            "type(x).__name__, x.num_hidden_layers, x.rope_parameters['rope_theta'], "
+                            "'transformers' in sys.modules")
     assert out == ["ConfigSnapshot", str(converted_cfg.num_hidden_layers),
                    str(converted_cfg.rope_parameters["rope_theta"]), "False"]
+    # ... and the cached tokenizer loads without importing torch (the coordinator's process
+    # would spend 2 s of its start on it, beside workers loading the model).
+    out = _in_fresh_process(tmp_path, "workers.gguf_cache", "load_tokenizer", "len(x), 'torch' in sys.modules")
+    assert out == [str(len(converted_tok)), "False"]
 
     # A damaged cache costs a conversion, never the load.
     (folder / "tokenizer" / "tokenizer.json").write_text("{not json")

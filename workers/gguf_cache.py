@@ -46,11 +46,26 @@ def dense_weights_path(source: ModelSource) -> Path:
 
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer: from its folder, or from a GGUF file's cached conversion."""
-    from transformers import AutoTokenizer
-
     if not source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.directory)
-    return _cached_part(source, "tokenizer", AutoTokenizer.from_pretrained)
+        return _auto_tokenizer(source.directory)
+    return _cached_part(source, "tokenizer", _auto_tokenizer, read_cached=_saved_tokenizer)
+
+
+def _auto_tokenizer(path: str, **kwargs):
+    from transformers import AutoTokenizer  # here: importing it imports torch
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def _saved_tokenizer(folder: str):
+    """A tokenizer this cache saved, loaded by the class its tokenizer_config.json names.
+    AutoTokenizer would read the model's config first, and that import pulls in torch: 2 of the
+    coordinator's 3 s to load the tokenizer, on the cores the workers are loading the model on."""
+    import transformers
+
+    name = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    return tokenizer_class.from_pretrained(folder) if tokenizer_class is not None else _auto_tokenizer(folder)
 
 
 def load_config(source: ModelSource):
@@ -78,11 +93,13 @@ def _save_config(config, folder: str) -> None:
     Path(folder, ATTRIBUTES_FILE).write_text(config.to_json_string(use_diff=False))
 
 
-def _cached_part(source: ModelSource, part: str, from_pretrained):
+def _cached_part(source: ModelSource, part: str, from_pretrained, read_cached=None):
+    """`part` of a GGUF source from the cache (`read_cached`, else `from_pretrained`, reads it),
+    or converted by `from_pretrained` and cached."""
     folder = cache_folder(source) / part
     if folder.is_dir():
         try:
-            return from_pretrained(str(folder))
+            return (read_cached or from_pretrained)(str(folder))
         except Exception as e:  # noqa: BLE001 - a damaged cache (of any error) costs a conversion, never the load
             log.warning("the cached %s at %s could not be read (%s); converting the GGUF file again",
                         part, folder, e)

@@ -143,6 +143,7 @@ class RayExecutor(Executor):
             # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
             # logical CPU per rank even where the ranks outnumber the cores.
             ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
+        self.device = config.device
         gpu = config.device == "cuda"
         cpus = config.worker_cpus or 1
         bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
@@ -160,15 +161,21 @@ class RayExecutor(Executor):
             config_dict = dataclasses.asdict(config)
             ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, config_ref)
                      for rank, w in enumerate(self.workers)])
-            if not gpu:  # a spare holds no GPU of its own to start on: CPU groups only
-                self._spares = [self._actor(rank, num_cpus=0) for rank in range(size)]
-                self._spares_warm = [spare.warm.remote() for spare in self._spares]
         except ray.exceptions.RayActorError as e:  # a new worker died while it started
             self.shutdown()
             raise WorkerFailedError(f"a worker died while the group started: {e}", cause="death") from e
         except BaseException:
             self.shutdown()
             raise
+
+    def init_cache(self, num_blocks: int) -> None:
+        super().init_cache(num_blocks)
+        # The spares start once the group is ready to serve: warming up (a process start, torch's
+        # import) beside the group's start took the cores its KV pool was allocated on, and
+        # delayed serving by a second on 2 cores.
+        if self.device != "cuda" and not self._spares:  # a spare holds no GPU of its own: CPU groups only
+            self._spares = [self._actor(rank, num_cpus=0) for rank in range(len(self.workers))]
+            self._spares_warm = [spare.warm.remote() for spare in self._spares]
 
     @staticmethod
     def _place(size: int, bundle: dict, target_node: str = ""):
