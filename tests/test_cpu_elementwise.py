@@ -77,8 +77,14 @@ def test_bf16_add_rms_norm_rounds_as_torchs_bf16_ops_round(rows, dim, transposed
     out = cpu.add_rms_norm(delta, stream, norm.weight.data, EPS)
     assert out.dtype == bf16
     assert torch.equal(stream, total)
-    # The torch module's form (fp32 statistics, rounded, times the bf16 weight), bit for bit.
-    assert torch.equal(out, norm(total))
+    # The torch module's form (fp32 statistics, rounded, times the bf16 weight), bit for bit but
+    # where the fp32 sum of squares differs in its last bit: torch sums in an order of its own,
+    # which depends on the CPU's vector width, and a last-bit change flips a rounding now and then
+    # (70 x 576 on an AVX-512 machine: 7 of 40,320 elements, each one bf16 step away).
+    expected = norm(total).detach()
+    differ = out != expected
+    assert differ.sum() <= max(2, out.numel() // 1000)
+    torch.testing.assert_close(out[differ].float(), expected[differ].float(), rtol=2 ** -6, atol=0)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
