@@ -32,6 +32,7 @@ import ray
 
 from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
+from workers.priority import raise_to_normal_priority
 
 log = logging.getLogger("pagedserve.server")
 
@@ -48,6 +49,9 @@ class CoordinatorActor:
         # The engine's ray.get calls (worker actors) run in threads, never on this actor's event
         # loop; Ray's warning about blocking gets in async actors would only mislead.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+        # Its engine loop hands each step to the workers: at Ray's nice 15 beside workers at 0 it
+        # would wait for their spinning threads to yield between steps.
+        raise_to_normal_priority()
         self._async_engine = None  # AsyncEngine, once the model is loaded
         self._state = None  # ServerState
         self._drain_timeout = 30.0

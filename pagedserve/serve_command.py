@@ -46,13 +46,15 @@ def _connect_ray(address: str | None, num_ranks: int = 1) -> None:
     import ray
 
     from coordinator.actor import NAMESPACE
+    from workers.priority import RAY_SYSTEM_CONFIG
 
     if address is None:
         # "local": a new cluster even when another runs on this machine; it ends with this process.
         # At least one logical CPU per worker rank (every replica's), so that any size that
         # divides the model can be placed here, oversubscribed or not.
         cpus = max(os.cpu_count() or 1, num_ranks)
-        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus,
+                 _system_config=RAY_SYSTEM_CONFIG)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 

@@ -21,6 +21,7 @@ from coordinator.actor import ACTOR_NAME, NAMESPACE
 from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 from pagedserve.serve_command import create_coordinator
+from tests.test_cpu_binding import thread_nices
 from tests.test_serve_cli import _cli, _env, _kill_named_actor
 
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -83,6 +84,9 @@ def test_sigkilled_detached_coordinator_is_restarted_and_serves_again_on_its_por
         first = ray.get(actor.status.remote())
         coordinator_pid = ray.get(actor.pid.remote())
         worker_pids = ray.get(actor.worker_pids.remote())
+        if os.geteuid() == 0:  # raising a priority needs root or CAP_SYS_NICE
+            # The session's Ray starts them at nice 15; they raise themselves to 0.
+            assert all(thread_nices(pid) == {0} for pid in [coordinator_pid, *worker_pids])
         store_segments = set(_store_segments()) - before
         assert len(store_segments) == 1 and worker_pids
         store_segment = store_segments.pop()

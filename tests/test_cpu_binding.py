@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -15,6 +16,8 @@ import ray
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, threads_bind_cores
 from workers import cpu_binding
+from workers.priority import lower_this_threads_priority
+from workers.ray_executor import WorkerActor
 
 two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 
@@ -109,3 +112,55 @@ def test_the_offline_engine_pins_only_named_cores_and_refuses_cores_it_cannot_ta
     refused = subprocess.run([sys.executable, "-c", script.replace("'1'", "'4095'")], capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode != 0 and "cpu_threads_bind: cannot pin this process's threads to cores [4095]" in refused.stderr
+
+
+def test_lowering_a_threads_priority_leaves_the_rest_of_its_process_alone():
+    seen = {}
+
+    def body():
+        lower_this_threads_priority()
+        seen["policy"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen["policy"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_spare_warms_up_on_a_lowest_priority_thread_and_serves_at_normal_priority(ray_session):
+    """A spare's imports run at the lowest priority beside a serving group; none of its threads
+    stays there once they are done (it may take over the group's work at any time)."""
+    spare = WorkerActor.options(num_cpus=0).remote()
+    try:
+        pid = ray.get(spare.pid.remote())
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch_cpu" not in f.read()
+        ray.get(spare.warm.remote())
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch_cpu" in f.read()  # torch is imported
+        policies = {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        assert os.SCHED_IDLE not in policies and os.SCHED_OTHER in policies
+    finally:
+        ray.kill(spare)
+
+
+def thread_nices(pid: int) -> set[int]:
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return nices
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs root or CAP_SYS_NICE")
+def test_a_ray_worker_computes_at_nice_0_though_ray_starts_it_lower(ray_session, tiny_llama):
+    """The session's Ray starts its workers at its default worker_niceness (15), as a cluster
+    started without pagedserve's setting does: a worker raises all its threads to 0 at setup."""
+    with LLM(tiny_llama, distributed_executor_backend="ray", kv_cache_memory=1 << 22) as llm:
+        _greedy(llm)
+        (worker,), (spare,) = llm.engine.executor.worker_pids(), llm.engine.executor.spare_pids()
+        assert 15 in thread_nices(spare)  # as Ray started it: a spare is raised when it takes over
+        assert thread_nices(worker) == {0}

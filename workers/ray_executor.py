@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 
 import ray
@@ -27,6 +28,7 @@ from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.model_config import ConfigSnapshot
+from workers.priority import RAY_SYSTEM_CONFIG, lower_this_threads_priority, raise_to_normal_priority
 from workers.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class WorkerActor:
 
     def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
               address: tuple[str, int], hf_config=None) -> None:
+        raise_to_normal_priority()  # before torch's thread pools start: they inherit it
         import torch
         import torch.distributed as dist
 
@@ -76,10 +79,21 @@ class WorkerActor:
         self.worker.node_id = ray.get_runtime_context().get_node_id()
 
     def warm(self) -> None:
-        """A spare's head start: the imports setup needs."""
-        import torch  # noqa: F401
+        """A spare's head start: the imports setup needs, done by a thread of the lowest CPU
+        priority. A spare warms up beside a serving group whose every step waits for its slowest
+        thread: at normal priority its 2-3 CPU-seconds of imports, taken from the group's cores,
+        cost the group more than that in stalled steps. Only the importing thread is lowered (it
+        ends with the imports), so the spare serves at normal priority once it takes over."""
 
-        import workers.worker  # noqa: F401
+        def imports():
+            lower_this_threads_priority()
+            import torch  # noqa: F401
+
+            import workers.worker  # noqa: F401
+
+        importer = threading.Thread(target=imports, name="spare-warm-up")
+        importer.start()
+        importer.join()
 
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
@@ -142,7 +156,8 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
             # logical CPU per rank even where the ranks outnumber the cores.
-            ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
+            ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False,
+                     _system_config=RAY_SYSTEM_CONFIG)
         self.device = config.device
         gpu = config.device == "cuda"
         cpus = config.worker_cpus or 1
