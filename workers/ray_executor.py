@@ -85,15 +85,22 @@ class WorkerActor:
         cost the group more than that in stalled steps. Only the importing thread is lowered (it
         ends with the imports), so the spare serves at normal priority once it takes over."""
 
+        failed: list[BaseException] = []
+
         def imports():
             lower_this_threads_priority()
-            import torch  # noqa: F401
+            try:
+                import torch  # noqa: F401
 
-            import workers.worker  # noqa: F401
+                import workers.worker  # noqa: F401
+            except BaseException as e:  # raised to the caller: a spare that cannot import is not warm
+                failed.append(e)
 
         importer = threading.Thread(target=imports, name="spare-warm-up")
         importer.start()
         importer.join()
+        if failed:
+            raise failed[0]
 
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
