@@ -8,7 +8,8 @@ import psutil
 import pytest
 import torch
 
-from workers.kv_cache import KVCacheSpec
+from pagedserve import LLM
+from workers.kv_cache import KVCacheSpec, available_memory
 
 MIB = 1 << 20
 
@@ -54,3 +55,17 @@ def test_pool_is_resident_only_where_written_and_freed_with_the_tensor():
     assert view.sum().item() == view.numel()
     del view
     assert _rss() < touched - 300 * MIB  # unmapped with its last tensor
+
+
+def test_a_pool_larger_than_the_nodes_available_memory_is_refused_naming_the_field(tiny_llama):
+    """Its pages would be taken only as blocks fill: unchecked, it would start and be killed later."""
+    available = available_memory()
+    assert available is not None and available > 0
+    spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    too_many = 2 * available // spec.block_bytes
+    with pytest.raises(ValueError, match=r"kv_cache_memory: a KV pool of \d+ blocks .* does not fit in this "
+                                         r"node's available memory"):
+        spec.allocate(too_many, "cpu")
+    assert spec.allocate(4, "cpu").shape[0] == 4
+    with pytest.raises(ValueError, match="lower kv_cache_memory"):
+        LLM(tiny_llama, kv_cache_memory=2 * available)

@@ -33,8 +33,27 @@ class KVCacheSpec:
         # Zeroed, so that padding blocks read by batched attention hold finite values.
         shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         if torch.device(device).type == "cpu":
+            # The pool's pages are taken only as blocks are first written: a pool larger than the
+            # node's memory would otherwise start and then be killed mid-serving, not refused here.
+            nbytes, available = num_blocks * self.block_bytes, available_memory()
+            if available is not None and nbytes > available:
+                raise ValueError(f"kv_cache_memory: a KV pool of {num_blocks} blocks ({nbytes} bytes) does not fit "
+                                 f"in this node's available memory ({available} bytes); lower kv_cache_memory")
             return zeroed_on_first_touch(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def available_memory() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), in bytes, or
+    None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
