@@ -4,10 +4,13 @@ Ray starts its worker processes at nice 15 (its `worker_niceness`) so that its o
 over CPU-bound tasks. A serving worker is the opposite case: its steps are the critical path,
 every thread of a step waits at a barrier for the slowest, and at nice 15 any other process of
 the node (the coordinator, the raylet, a client) preempts those threads mid-GEMM. Measured on 2
-cores (SmolLM2, 24 requests), the same engine computed 10% slower in a Ray worker at nice 15
-than in the driver's process at nice 0. So a Ray started here sets `worker_niceness` to 0, and
-the coordinator and each worker raise themselves to nice 0 where Ray started them lower (this
-needs the right to raise priority: root or CAP_SYS_NICE; otherwise they say so).
+cores (SmolLM2, 24 requests): the same engine computed 10% slower in a Ray worker at nice 15
+than in the driver's own process, nearly all the worker's context switches involuntary; at
+nice 0, three alternated runs took 22.8, 22.9 and 20.6 s against 23.9, 21.7 and 25.4 s at 15
+(a noisy machine; the preemptions remain, only their priority changes). So a Ray started here
+sets `worker_niceness` to 0, and the coordinator and each worker raise themselves to nice 0
+where Ray started them lower (this needs the right to raise priority: root or CAP_SYS_NICE;
+otherwise they say so).
 
 On Linux, nice and scheduling policy are per thread, and a new thread takes its creator's: a
 thread raised before torch starts its thread pools passes nice 0 on to them.
