@@ -28,12 +28,12 @@ log = logging.getLogger(__name__)
 RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
-def raise_to_normal_priority() -> int:
+def raise_to_normal_priority() -> None:
     """Nice 0 for every thread of this process that runs lower, where it may be raised (threads
-    started later by any of them then start at 0 too); returns the main thread's nice after."""
+    started later by any of them then start at 0 too)."""
     nice = os.getpriority(os.PRIO_PROCESS, os.getpid())
     if nice <= 0:
-        return nice
+        return
     try:
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -48,7 +48,6 @@ def raise_to_normal_priority() -> int:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
         except OSError:
             pass
-    return os.getpriority(os.PRIO_PROCESS, os.getpid())
 
 
 def lower_this_threads_priority() -> None:
