@@ -13,6 +13,11 @@ It reports both throughputs, their ratio (served / offline), whether the greedy 
 and the server's own figure of what the executor adds per engine step beyond rank 0's compute
 (`executor_overhead_us_per_step`: Ray actor calls and serialization).
 
+`--rounds N` repeats the pair N times, alternating which side goes first (offline, served, then
+served, offline, ...), and reports every round's ratio and their median: on a shared 2-core VM
+identical runs differ by 10-20% from minute to minute, more than the gap being measured, so a
+single pair says little and a drift over the run would always favour the side that went first.
+
     .venv/bin/python benchmarks/serving_throughput.py
     .venv/bin/python benchmarks/serving_throughput.py --num-requests 8 --prompt-len-max 60 --output-len-max 8
 """
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import gc
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,8 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--cpu-threads-bind", default="auto", help="the engines' cpu_threads_bind (auto, nobind)")
     p.add_argument("--server-start-timeout", type=float, default=300.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="offline/served pairs, alternating which goes first; the median ratio is reported")
     p.add_argument("--result-json", default="benchmarks/results/serving_throughput.json")
-    return workload.check_workload_args(p, p.parse_args(argv))
+    args = workload.check_workload_args(p, p.parse_args(argv))
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
 
 
 def engine_flags(args) -> dict:
@@ -122,13 +133,30 @@ def run_served(args, requests) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------------
+def run_round(args, requests, served_first: bool) -> tuple[dict, dict]:
+    """One offline run and one served run of the same workload, in the order asked."""
+    if served_first:
+        served = run_served(args, requests)
+        return run_offline(args, requests), served
+    offline = run_offline(args, requests)
+    return offline, run_served(args, requests)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     tokenizer, _ = workload.load_tokenizer_and_config()
     requests = workload.make_workload(tokenizer, args)
     prompt, generated = workload.useful_tokens(requests)
-    offline = run_offline(args, requests)
-    served = run_served(args, requests)
+    pairs = []
+    for index in range(args.rounds):
+        pairs.append(run_round(args, requests, served_first=index % 2 == 1))
+        offline, served = pairs[-1]
+        print(f"round {index + 1}/{args.rounds}: offline {offline['watch'].seconds:.2f} s, served "
+              f"{served['watch'].seconds:.2f} s, served / offline {offline['watch'].seconds / served['watch'].seconds:.3f}",
+              flush=True)
+    ratios = [o["watch"].seconds / s["watch"].seconds for o, s in pairs]
+    # The figures below are the round whose ratio is the median (the lower middle of an even count).
+    offline, served = pairs[sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]]
     rows = {}
     for name, res in (("offline", offline), ("served", served)):
         seconds = res["watch"].seconds
@@ -139,14 +167,18 @@ def main(argv=None) -> None:
         "args": vars(args), "requests": len(requests), "prompt_tokens": prompt, "generated_tokens": generated,
         **rows,
         "served_over_offline": rows["served"]["total_tokens_per_s"] / rows["offline"]["total_tokens_per_s"],
-        "identical_outputs": sum(a == b for a, b in zip(offline["outputs"], served["outputs"])),
+        "rounds": [{"offline_s": o["watch"].seconds, "served_s": s["watch"].seconds, "served_first": i % 2 == 1,
+                    "served_over_offline": r} for i, ((o, s), r) in enumerate(zip(pairs, ratios))],
+        "served_over_offline_median": statistics.median(ratios),
+        "identical_outputs": min(sum(a == b for a, b in zip(o["outputs"], s["outputs"])) for o, s in pairs),
         "server_startup_s": served["startup_s"],
         "server_steps": served["steps"],
         "executor_overhead_us_per_step": served["executor_overhead_us_per_step"],
         "offline_executor_overhead_us_per_step": offline["stats"]["executor_overhead_us_per_step"],
     }
     print(f"workload: {len(requests)} requests, {prompt} prompt + {generated} generated tokens, "
-          f"{args.dtype}, tensor_parallel_size={args.tensor_parallel_size}")
+          f"{args.dtype}, tensor_parallel_size={args.tensor_parallel_size}"
+          + (f"; the round of the median ratio, of {args.rounds}:" if args.rounds > 1 else ""))
     for name in ("offline", "served"):
         r = rows[name]
         share = "n/a" if r["other_cpu_share"] is None else f"{100 * r['other_cpu_share']:.1f}%"
@@ -154,8 +186,11 @@ def main(argv=None) -> None:
               f"{r['generated_tokens_per_s']:7.1f} gen tok/s  (other processes' CPU {share})")
         print(f"           in engine steps {r['step_duration_seconds_sum']:.2f} s, of which rank 0 computed "
               f"{r['worker_compute_seconds']:.2f} s")
-    print(f"  served / offline throughput: {result['served_over_offline']:.3f}")
-    print(f"  identical greedy outputs: {result['identical_outputs']} of {len(requests)}")
+    print(f"  served / offline throughput: {result['served_over_offline']:.3f}"
+          + (f" (rounds: {', '.join(f'{r:.3f}' for r in ratios)}; median {result['served_over_offline_median']:.3f})"
+             if args.rounds > 1 else ""))
+    print(f"  identical greedy outputs: {result['identical_outputs']} of {len(requests)}"
+          + (" (the fewest of any round)" if args.rounds > 1 else ""))
     print(f"  executor overhead per step: served {result['executor_overhead_us_per_step']:.0f} us "
           f"(Ray, {served['steps']} steps), offline {result['offline_executor_overhead_us_per_step']:.0f} us "
           f"(in process)")
