@@ -147,18 +147,25 @@ class CoordinatorActor:
         self._info = {"model": engine_config.model, "host": options.host, "port": self.port,
                       "tls": options.tls is not None, "auth": self._state.auth,
                       "drain_timeout": options.drain_timeout}
-        if options.metrics_port is not None:
-            self._start_metrics(engine_config.model, options.metrics_host, options.metrics_port)
-        elif options.default_metrics:
-            try:
-                self._start_metrics(engine_config.model, options.metrics_host, DEFAULT_METRICS_PORT)
-            except OSError:  # another server on this machine has it: any free port (status says which)
-                self._start_metrics(engine_config.model, options.metrics_host, 0)
-        if options.http:
-            await self._start_http(engine_config.model, options)
+        # The model loads (workers start, import torch, read the weights: seconds) while the
+        # metrics and HTTP servers start (their imports take a few tenths of a second).
         self._load = asyncio.get_running_loop().create_task(
             self._load_engine(engine_config, options))
         self._load.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported by wait_ready
+        await asyncio.sleep(0)  # the load's first step: its thread starts the workers
+        try:
+            if options.metrics_port is not None:
+                self._start_metrics(engine_config.model, options.metrics_host, options.metrics_port)
+            elif options.default_metrics:
+                try:
+                    self._start_metrics(engine_config.model, options.metrics_host, DEFAULT_METRICS_PORT)
+                except OSError:  # another server on this machine has it: any free port (status says which)
+                    self._start_metrics(engine_config.model, options.metrics_host, 0)
+            if options.http:
+                await self._start_http(engine_config.model, options)
+        except BaseException:
+            self._closing = True  # the load, once done, shuts its engine down: this start failed
+            raise
         if wait:
             await self.wait_ready()
         return self.port

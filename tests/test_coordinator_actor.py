@@ -78,3 +78,39 @@ def test_shutdown_drains_in_flight_requests_and_ends_the_rest_unavailable(ray_se
             assert ended.value.code == grpc.StatusCode.UNAVAILABLE and "drain" in ended.value.details
             ray.get(stopping, timeout=60)
     assert ServerOptions(drain_timeout=0).drain_timeout == 0
+
+
+def _worker_actor_pids() -> set[int]:
+    import psutil
+
+    pids = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if "ray::WorkerActor" in " ".join(proc.info["cmdline"] or []):
+            pids.add(proc.pid)
+    return pids
+
+
+def test_a_start_whose_http_port_is_taken_fails_and_leaves_no_worker_behind(ray_session, tiny_llama):
+    """The model starts loading before the HTTP server binds: when that bind fails, start()
+    raises the bind's error and the workers the load started are stopped once it finishes."""
+    import socket
+
+    before = _worker_actor_pids()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = config_dict(EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22))
+        actor = CoordinatorActor.remote()
+        try:
+            with pytest.raises(ray.exceptions.RayTaskError, match="cannot bind"):
+                ray.get(actor.start.remote(config, ServerOptions(port=0, http_port=taken.getsockname()[1])),
+                        timeout=120)
+            ray.get(actor.wait_ready.remote(), timeout=120)  # the load has finished
+            assert ray.get(actor.worker_pids.remote()) == []
+            deadline = time.monotonic() + 30
+            while _worker_actor_pids() - before:  # its group is being shut down
+                assert time.monotonic() < deadline, f"workers left running: {_worker_actor_pids() - before}"
+                time.sleep(0.5)
+        finally:
+            ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor)

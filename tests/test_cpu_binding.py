@@ -145,6 +145,43 @@ def test_a_spare_warms_up_on_a_lowest_priority_thread_and_serves_at_normal_prior
         ray.kill(spare)
 
 
+def _torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+
+def test_a_group_worker_imports_torch_before_setup_is_called(ray_session):
+    """A worker made for a group starts its imports when it is created (they overlap the calls
+    leading up to setup); a spare does not (it warms up later, at the lowest priority)."""
+    worker = WorkerActor.options(num_cpus=0).remote(preload=True)
+    spare = WorkerActor.options(num_cpus=0).remote()
+    try:
+        worker_pid, spare_pid = ray.get([worker.pid.remote(), spare.pid.remote()])
+        deadline = time.monotonic() + 60
+        while not _torch_mapped(worker_pid):
+            assert time.monotonic() < deadline, "the preloading worker never imported torch"
+            time.sleep(0.1)
+        assert not _torch_mapped(spare_pid)
+    finally:
+        ray.kill(worker)
+        ray.kill(spare)
+
+
+def test_a_preloading_worker_whose_imports_fail_says_so_at_setup(ray_session, tmp_path):
+    """A worker whose imports fail on the preload thread reports it at setup: the group's start
+    fails with the import's own message, not a hang or a worker that looks ready."""
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    worker = WorkerActor.options(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": str(tmp_path)}}).remote(
+        preload=True)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="this torch is broken on purpose"):
+            ray.get(worker.setup.remote({}, None, 0, 0, 1, ("127.0.0.1", 0)), timeout=120)
+    finally:
+        ray.kill(worker)
+
+
 def thread_nices(pid: int) -> set[int]:
     nices = set()
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -36,13 +36,43 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120
 
 
+class _Importer:
+    """A thread importing torch and the worker's modules; `wait()` joins it and raises what the
+    import raised (a worker that cannot import is not ready)."""
+
+    def __init__(self, lower_priority: bool):
+        self._failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(lower_priority,), name="worker-imports",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, lower_priority: bool) -> None:
+        if lower_priority:
+            lower_this_threads_priority()
+        try:
+            import torch  # noqa: F401
+
+            import workers.worker  # noqa: F401
+        except BaseException as e:
+            self._failed.append(e)
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._failed:
+            raise self._failed[0]
+
+
 @ray.remote
 class WorkerActor:
     """Hosts one rank's Worker. Created empty, so that rank 0 can name the group's address first."""
 
-    def __init__(self):
+    def __init__(self, preload: bool = False):
+        """`preload`: start importing what setup needs now, on a thread, so that the import (a
+        second or more of a cold start) overlaps the executor's calls that lead up to setup. A
+        spare does not: it imports later at the lowest priority (`warm`)."""
         self.worker = None
         self.cores = None  # the cores its torch threads are pinned to, if they are
+        self._importer = _Importer(lower_priority=False) if preload else None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port free right now, for the process group's TCP store."""
@@ -54,6 +84,8 @@ class WorkerActor:
     def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
               address: tuple[str, int], hf_config=None) -> None:
         raise_to_normal_priority()  # before torch's thread pools start: they inherit it
+        if self._importer is not None:
+            self._importer.wait()
         import torch
         import torch.distributed as dist
 
@@ -84,23 +116,7 @@ class WorkerActor:
         thread: at normal priority its 2-3 CPU-seconds of imports, taken from the group's cores,
         cost the group more than that in stalled steps. Only the importing thread is lowered (it
         ends with the imports), so the spare serves at normal priority once it takes over."""
-
-        failed: list[BaseException] = []
-
-        def imports():
-            lower_this_threads_priority()
-            try:
-                import torch  # noqa: F401
-
-                import workers.worker  # noqa: F401
-            except BaseException as e:  # raised to the caller: a spare that cannot import is not warm
-                failed.append(e)
-
-        importer = threading.Thread(target=imports, name="spare-warm-up")
-        importer.start()
-        importer.join()
-        if failed:
-            raise failed[0]
+        _Importer(lower_priority=True).wait()
 
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
@@ -177,7 +193,7 @@ class RayExecutor(Executor):
                 self.placement_group, self.workers = taken
             else:
                 self.placement_group = self._place(size, bundle, config.placement_node)
-                self.workers = [self._actor(rank, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))
+                self.workers = [self._actor(rank, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), preload=True)
                                 for rank in range(size)]
             address = ray.get(self.workers[0].rendezvous_address.remote())
             config_dict = dataclasses.asdict(config)
@@ -219,13 +235,13 @@ class RayExecutor(Executor):
                 f"(cluster resources: {ray.cluster_resources()})")
         return group
 
-    def _actor(self, rank: int, num_cpus: float, num_gpus: float = 0):
+    def _actor(self, rank: int, num_cpus: float, num_gpus: float = 0, preload: bool = False):
         test_env = fault_hook.forwarded_env()
         return WorkerActor.options(
             num_cpus=num_cpus, num_gpus=num_gpus,
             runtime_env={"env_vars": test_env} if test_env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rank)).remote()
+                self.placement_group, placement_group_bundle_index=rank)).remote(preload=preload)
 
     def take_spares(self) -> tuple | None:
         """(placement group, warm spares) for a replacement group, detached from this one, or
