@@ -147,14 +147,13 @@ def main(argv=None) -> None:
     tokenizer, _ = workload.load_tokenizer_and_config()
     requests = workload.make_workload(tokenizer, args)
     prompt, generated = workload.useful_tokens(requests)
-    pairs = []
+    pairs, ratios = [], []
     for index in range(args.rounds):
-        pairs.append(run_round(args, requests, served_first=index % 2 == 1))
-        offline, served = pairs[-1]
+        offline, served = run_round(args, requests, served_first=index % 2 == 1)
+        pairs.append((offline, served))
+        ratios.append(offline["watch"].seconds / served["watch"].seconds)
         print(f"round {index + 1}/{args.rounds}: offline {offline['watch'].seconds:.2f} s, served "
-              f"{served['watch'].seconds:.2f} s, served / offline {offline['watch'].seconds / served['watch'].seconds:.3f}",
-              flush=True)
-    ratios = [o["watch"].seconds / s["watch"].seconds for o, s in pairs]
+              f"{served['watch'].seconds:.2f} s, served / offline {ratios[-1]:.3f}", flush=True)
     # The figures below are the round whose ratio is the median (the lower middle of an even count).
     offline, served = pairs[sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]]
     rows = {}

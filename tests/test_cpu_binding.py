@@ -128,26 +128,24 @@ def test_lowering_a_threads_priority_leaves_the_rest_of_its_process_alone():
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
+def _torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+
 def test_a_spare_warms_up_on_a_lowest_priority_thread_and_serves_at_normal_priority(ray_session):
     """A spare's imports run at the lowest priority beside a serving group; none of its threads
     stays there once they are done (it may take over the group's work at any time)."""
     spare = WorkerActor.options(num_cpus=0).remote()
     try:
         pid = ray.get(spare.pid.remote())
-        with open(f"/proc/{pid}/maps") as f:
-            assert "libtorch_cpu" not in f.read()
+        assert not _torch_mapped(pid)
         ray.get(spare.warm.remote())
-        with open(f"/proc/{pid}/maps") as f:
-            assert "libtorch_cpu" in f.read()  # torch is imported
+        assert _torch_mapped(pid)  # torch is imported
         policies = {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
         assert os.SCHED_IDLE not in policies and os.SCHED_OTHER in policies
     finally:
         ray.kill(spare)
-
-
-def _torch_mapped(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return "libtorch_cpu" in f.read()
 
 
 def test_a_group_worker_imports_torch_before_setup_is_called(ray_session):
