@@ -46,7 +46,7 @@ import pagedserve  # noqa: E402
 from coordinator.actor import CoordinatorActor, config_dict  # noqa: E402
 from coordinator.server_options import ServerOptions  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from workers.priority import RAY_SYSTEM_CONFIG  # noqa: E402
+from workers.local_ray import init_local_ray  # noqa: E402
 
 MiB = 1 << 20
 ALL_CONFIGS = ("pd", "colocated-64", "colocated-256", "colocated-2048", "two-replicas")
@@ -281,9 +281,8 @@ def plot(results: dict, path: str, model: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # Workers at nice 0, as under `pagedserve serve` (workers/priority.py).
-    ray.init(num_cpus=max(4, args.cores + 2), include_dashboard=False, log_to_driver=False,
-             _system_config=RAY_SYSTEM_CONFIG)
+    # Workers at nice 0, as under `pagedserve serve` (workers/local_ray.py).
+    init_local_ray(num_cpus=max(4, args.cores + 2), include_dashboard=False, log_to_driver=False)
     res = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                            "load_average_at_start": os.getloadavg()}, "configs": {}}
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.model_config import ConfigSnapshot
-from workers.priority import RAY_SYSTEM_CONFIG, lower_this_threads_priority, raise_to_normal_priority
+from workers.local_ray import init_local_ray
+from workers.priority import lower_this_threads_priority, raise_to_normal_priority
 from workers.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,7 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             # A local cluster, as the offline API with tensor_parallel_size > 1 expects, with a
             # logical CPU per rank even where the ranks outnumber the cores.
-            ray.init(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False,
-                     _system_config=RAY_SYSTEM_CONFIG)
+            init_local_ray(num_cpus=max(os.cpu_count() or 1, size), log_to_driver=False)
         self.device = config.device
         gpu = config.device == "cuda"
         cpus = config.worker_cpus or 1

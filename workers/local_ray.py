@@ -1,0 +1,127 @@
+"""Starting a local Ray cluster for pagedserve: every `ray.init` of a new cluster goes through here.
+
+Two of the daemons Ray starts with a cluster are not needed to run actors, and on 2 cores they sit
+on the critical path of `ray.init`:
+- the API server (dashboard.py: with the dashboard off, still Ray's usage-stats and REST head):
+  `ray.init` waits until it has imported its modules and published its address, 1.3-1.6 s of a
+  3.4 s `ray.init` in a py-spy profile of one start, and ~1.1 CPU-s beside the raylet's own start;
+- the log monitor, which tails the workers' log files and publishes their lines to the driver:
+  `ray.init` took 2.81-2.89 s without it against 2.95-4.13 s with it (4 alternated starts each).
+
+`init_local_ray` starts a cluster without them; `pagedserve serve`, whose terminal shows the
+workers' lines, starts both once it serves (`start_deferred_daemons`). The log monitor reads each
+log file from its beginning, so nothing written meanwhile is lost, only printed late. A driver that
+prints no worker lines (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks)
+never starts them.
+
+Ray has no public switch for either (`ray start --include-log-monitor` is the CLI's). The hooks are
+its RayParams' `include_log_monitor` and the head node's `start_api_server`; where a Ray version
+lacks them, its cluster starts as Ray starts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import signal
+import threading
+
+from workers.priority import RAY_SYSTEM_CONFIG
+
+log = logging.getLogger(__name__)
+
+
+def init_local_ray(**init_kwargs) -> None:
+    """`ray.init` of a new local cluster, with pagedserve's system config, and its log monitor and
+    API server left for `start_deferred_daemons`."""
+    import ray
+
+    init_kwargs.setdefault("_system_config", RAY_SYSTEM_CONFIG)
+    with _no_log_monitor(), _api_server_deferred():
+        ray.init(**init_kwargs)
+
+
+def start_deferred_daemons() -> list[str]:
+    """Start the log monitor and the API server that `init_local_ray` left out of the cluster this
+    process started; the names of those started (none for a joined cluster, or twice)."""
+    from ray._private import ray_constants, worker
+
+    node = getattr(worker, "_global_node", None)
+    if node is None or not getattr(node, "head", False):
+        return []
+    started = []
+    with _stop_signals_held():
+        if hasattr(node, "start_log_monitor") and ray_constants.PROCESS_TYPE_LOG_MONITOR not in node.all_processes:
+            node.start_log_monitor()  # registered with the node's processes: ray.shutdown() ends it
+            started.append("log_monitor")
+        deferred = node.__dict__.pop(_DEFERRED_API_SERVER, None)
+        if deferred is not None:
+            node.start_api_server(**deferred)
+            started.append("api_server")
+    return started
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """SIGINT and SIGTERM arriving inside the block are delivered when it ends. Ray starts its
+    daemons with a preexec_fn, so Python runs its at-fork hooks, and an exception raised by a
+    signal handler inside one of them is printed and dropped: a Ctrl-C there was lost and the
+    server kept running (1 start in 6, stopped right after it printed "serving")."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers are the main thread's to set; its signals reach it as ever
+        return
+    held: list[int] = []
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, lambda received, frame: held.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)  # now to the handler that was in place
+
+
+@contextlib.contextmanager
+def _no_log_monitor():
+    from ray._private.parameter import RayParams
+
+    original = RayParams.__init__
+    if "include_log_monitor" not in inspect.signature(original).parameters:
+        log.debug("this Ray's RayParams has no include_log_monitor; its log monitor starts with it")
+        yield
+        return
+
+    def without_log_monitor(self, *args, **kwargs):
+        kwargs.setdefault("include_log_monitor", False)
+        original(self, *args, **kwargs)
+
+    RayParams.__init__ = without_log_monitor
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original
+
+
+_DEFERRED_API_SERVER = "_pagedserve_deferred_api_server"  # its arguments, on the head node
+
+
+@contextlib.contextmanager
+def _api_server_deferred():
+    from ray._private.node import Node
+
+    original = Node.__dict__.get("start_api_server")
+    if original is None:
+        yield
+        return
+
+    def record(self, **kwargs):
+        setattr(self, _DEFERRED_API_SERVER, kwargs)
+
+    Node.start_api_server = record
+    try:
+        yield
+    finally:
+        Node.start_api_server = original
