@@ -282,7 +282,7 @@ def plot(results: dict, path: str, model: str) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     # Workers at nice 0, as under `pagedserve serve` (workers/local_ray.py).
-    init_local_ray(num_cpus=max(4, args.cores + 2), include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=max(4, args.cores + 2), log_to_driver=False)
     res = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                            "load_average_at_start": os.getloadavg()}, "configs": {}}
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ def _connect_ray(address: str | None, num_ranks: int = 1) -> None:
         # At least one logical CPU per worker rank (every replica's), so that any size that
         # divides the model can be placed here, oversubscribed or not.
         cpus = max(os.cpu_count() or 1, num_ranks)
-        # Its log monitor and API server start once the server is up (start_deferred_daemons).
+        # Its log monitor starts once the server is up (start_deferred_log_monitor).
         init_local_ray(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -146,7 +146,7 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
     import ray
 
     from coordinator.actor import ACTOR_NAME, NAMESPACE
-    from workers.local_ray import start_deferred_daemons
+    from workers.local_ray import start_deferred_log_monitor
     # ray.init installs its own SIGTERM handler; SIGTERM ends the server like Ctrl-C does. SIGINT
     # too, explicitly: a shell starting us in the background (`&`) leaves SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -178,7 +178,7 @@ def run_serve(args, config: EngineConfig, api_key: str | None) -> int:
         print(f"serving {config.model} on {_hostport(args.host, port)}" + (f" ({', '.join(notes)})" if notes else ""),
               flush=True)
         if address is None:
-            start_deferred_daemons()  # Ray's log monitor (the workers' lines so far, then as written) and API server
+            start_deferred_log_monitor()  # the workers' lines written so far, then as they come
         if args.detach:
             actor = None  # stays running in the cluster
             _err(f"detached; stop it with `pagedserve stop --address {address}`")

@@ -1,5 +1,6 @@
-"""A local Ray started by pagedserve has no log monitor and no API server while it comes up; `serve`
-starts both once it serves, and the workers' lines written before that still reach the driver.
+"""A local Ray started by pagedserve has no API server (the dashboard being off) and no log monitor
+while it comes up; `serve` starts the monitor once it serves, and the workers' lines written before
+that still reach the driver.
 
 Each case runs in its own interpreter: the test session's Ray is already initialised."""
 
@@ -13,14 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = r"""
 import sys, time
 import psutil, ray
-from workers.local_ray import init_local_ray, start_deferred_daemons
+from workers.local_ray import init_local_ray, start_deferred_log_monitor
 
 def daemons(script):
     return sum(1 for p in psutil.process_iter(["cmdline"])
                if any(part.endswith(script) for part in p.info["cmdline"] or [])
                and session in " ".join(p.info["cmdline"]))
 
-init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=LOG_TO_DRIVER)
+init_local_ray(num_cpus=1, log_to_driver=LOG_TO_DRIVER)
 session = ray._private.worker._global_node.get_session_dir_path()  # this cluster's, not another's
 
 @ray.remote
@@ -33,8 +34,8 @@ talker = Talker.remote()
 assert ray.get(talker.say.remote("written-before-the-monitor"))
 print("before:", daemons("log_monitor.py"), daemons("dashboard.py"), flush=True)
 if LOG_TO_DRIVER:
-    print("started:", start_deferred_daemons(), flush=True)
-    print("again:", start_deferred_daemons(), flush=True)  # one of each, not two
+    print("started:", start_deferred_log_monitor(), flush=True)
+    print("again:", start_deferred_log_monitor(), flush=True)  # one monitor, not two
     time.sleep(4)  # the monitor's first pass over the files and the driver's print
     print("after:", daemons("log_monitor.py"), daemons("dashboard.py"), flush=True)
 ray.shutdown()
@@ -42,14 +43,14 @@ print("after shutdown:", daemons("log_monitor.py"), daemons("dashboard.py"), flu
 """
 
 
-# A Ctrl-C that lands inside an at-fork hook while the daemons start: Python prints and drops an
+# A Ctrl-C that lands inside an at-fork hook while the monitor starts: Python prints and drops an
 # exception raised there, so an unheld SIGINT would be lost and `serve` would keep running.
 CTRL_C_DURING_THE_START = r"""
 import os, signal
 import ray
-from workers.local_ray import init_local_ray, start_deferred_daemons
+from workers.local_ray import init_local_ray, start_deferred_log_monitor
 
-init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=True)
+init_local_ray(num_cpus=1, log_to_driver=True)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sent = []
 def interrupt_once():
@@ -58,11 +59,11 @@ def interrupt_once():
         os.kill(os.getpid(), signal.SIGINT)
 os.register_at_fork(after_in_parent=interrupt_once)
 try:
-    start_deferred_daemons()
+    start_deferred_log_monitor()
     print("not interrupted", flush=True)
 except KeyboardInterrupt:
     processes = ray._private.worker._global_node.all_processes
-    print("interrupted after the start:", "log_monitor" in processes and "dashboard" in processes, flush=True)
+    print("interrupted after the start:", "log_monitor" in processes, flush=True)
 print("handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
 ray.shutdown()
 """
@@ -76,17 +77,17 @@ def _run(log_to_driver: bool, script: str = SCRIPT) -> str:
     return done.stdout + done.stderr
 
 
-def test_the_log_monitor_and_api_server_start_late_and_what_workers_wrote_before_is_printed():
+def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
     out = _run(log_to_driver=True)
     assert "before: 0 0" in out
-    assert "started: ['log_monitor', 'api_server']" in out and "again: []" in out
-    assert "after: 1 1" in out
+    assert "started: True" in out and "again: False" in out
+    assert "after: 1 0" in out  # the monitor; still no API server
     # The actor's line, written before the monitor existed, reached the driver through it.
     assert "written-before-the-monitor" in out.split("before:")[1], out[-3000:]
     assert "after shutdown: 0 0" in out
 
 
-def test_a_driver_that_never_starts_them_runs_actors_without_either():
+def test_a_driver_that_prints_no_worker_lines_runs_actors_without_either_daemon():
     out = _run(log_to_driver=False)
     assert "before: 0 0" in out and "after shutdown: 0 0" in out
     assert "written-before-the-monitor" not in out

@@ -2,17 +2,16 @@
 
 Two of the daemons Ray starts with a cluster are not needed to run actors, and on 2 cores they sit
 on the critical path of `ray.init`:
-- the API server (dashboard.py: with the dashboard off, still Ray's usage-stats and REST head):
-  `ray.init` waits until it has imported its modules and published its address, 1.3-1.6 s of a
-  3.4 s `ray.init` in a py-spy profile of one start, and ~1.1 CPU-s beside the raylet's own start;
+- the API server (dashboard.py): with the dashboard off it loads one module, usage statistics
+  (Ray's own comment: not even the job or state APIs), yet `ray.init` waits until it has imported
+  and published its address, 1.3-1.6 s of a 3.4 s `ray.init` in a py-spy profile of one start,
+  with ~1.1 CPU-s beside the raylet's own start. A cluster without the dashboard gets none.
 - the log monitor, which tails the workers' log files and publishes their lines to the driver:
   `ray.init` took 2.81-2.89 s without it against 2.95-4.13 s with it (4 alternated starts each).
-
-`init_local_ray` starts a cluster without them; `pagedserve serve`, whose terminal shows the
-workers' lines, starts both once it serves (`start_deferred_daemons`). The log monitor reads each
-log file from its beginning, so nothing written meanwhile is lost, only printed late. A driver that
-prints no worker lines (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks)
-never starts them.
+  `pagedserve serve`, whose terminal shows the workers' lines, starts it once it serves
+  (`start_deferred_log_monitor`); it reads each log file from its beginning, so nothing written
+  meanwhile is lost, only printed late. A driver that prints no worker lines
+  (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks) never starts it.
 
 Ray has no public switch for either (`ray start --include-log-monitor` is the CLI's). The hooks are
 its RayParams' `include_log_monitor` and the head node's `start_api_server`; where a Ray version
@@ -33,33 +32,30 @@ log = logging.getLogger(__name__)
 
 
 def init_local_ray(**init_kwargs) -> None:
-    """`ray.init` of a new local cluster, with pagedserve's system config, and its log monitor and
-    API server left for `start_deferred_daemons`."""
+    """`ray.init` of a new local cluster with pagedserve's system config, no log monitor (see
+    `start_deferred_log_monitor`), and, the dashboard being off unless asked for, no API server."""
     import ray
 
     init_kwargs.setdefault("_system_config", RAY_SYSTEM_CONFIG)
-    with _no_log_monitor(), _api_server_deferred():
+    init_kwargs.setdefault("include_dashboard", False)
+    without_api_server = _no_api_server() if not init_kwargs["include_dashboard"] else contextlib.nullcontext()
+    with _no_log_monitor(), without_api_server:
         ray.init(**init_kwargs)
 
 
-def start_deferred_daemons() -> list[str]:
-    """Start the log monitor and the API server that `init_local_ray` left out of the cluster this
-    process started; the names of those started (none for a joined cluster, or twice)."""
+def start_deferred_log_monitor() -> bool:
+    """Start the log monitor of the cluster this process started with `init_local_ray`; False
+    where there is none to start (a joined cluster, one that has its monitor)."""
     from ray._private import ray_constants, worker
 
     node = getattr(worker, "_global_node", None)
-    if node is None or not getattr(node, "head", False):
-        return []
-    started = []
+    if node is None or not getattr(node, "head", False) or not hasattr(node, "start_log_monitor"):
+        return False
+    if ray_constants.PROCESS_TYPE_LOG_MONITOR in node.all_processes:
+        return False
     with _stop_signals_held():
-        if hasattr(node, "start_log_monitor") and ray_constants.PROCESS_TYPE_LOG_MONITOR not in node.all_processes:
-            node.start_log_monitor()  # registered with the node's processes: ray.shutdown() ends it
-            started.append("log_monitor")
-        deferred = node.__dict__.pop(_DEFERRED_API_SERVER, None)
-        if deferred is not None:
-            node.start_api_server(**deferred)
-            started.append("api_server")
-    return started
+        node.start_log_monitor()  # registered with the node's processes: ray.shutdown() ends it
+    return True
 
 
 @contextlib.contextmanager
@@ -105,22 +101,15 @@ def _no_log_monitor():
         RayParams.__init__ = original
 
 
-_DEFERRED_API_SERVER = "_pagedserve_deferred_api_server"  # its arguments, on the head node
-
-
 @contextlib.contextmanager
-def _api_server_deferred():
+def _no_api_server():
     from ray._private.node import Node
 
     original = Node.__dict__.get("start_api_server")
     if original is None:
         yield
         return
-
-    def record(self, **kwargs):
-        setattr(self, _DEFERRED_API_SERVER, kwargs)
-
-    Node.start_api_server = record
+    Node.start_api_server = lambda self, **kwargs: None  # leaves the node's webui_url None
     try:
         yield
     finally:
