@@ -14,6 +14,7 @@ from pagedserve import LLM
 from workers.kv_cache import KVCacheSpec, available_memory
 
 MIB = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _resident_bytes(address: int, nbytes: int) -> int | None:
@@ -30,9 +31,6 @@ def _resident_bytes(address: int, nbytes: int) -> int | None:
             return None
         raise OSError(ctypes.get_errno(), "mincore")
     return sum(byte & 1 for byte in vector) * page
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

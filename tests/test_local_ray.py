@@ -69,16 +69,16 @@ ray.shutdown()
 """
 
 
-def _run(log_to_driver: bool, script: str = SCRIPT) -> str:
+def _run(script: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script.replace("LOG_TO_DRIVER", str(log_to_driver))],
+    done = subprocess.run([sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
 
 def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
-    out = _run(log_to_driver=True)
+    out = _run(SCRIPT.replace("LOG_TO_DRIVER", "True"))
     assert "before: 0 0" in out
     assert "started: True" in out and "again: False" in out
     assert "after: 1 0" in out  # the monitor; still no API server
@@ -88,12 +88,12 @@ def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
 
 
 def test_a_driver_that_prints_no_worker_lines_runs_actors_without_either_daemon():
-    out = _run(log_to_driver=False)
+    out = _run(SCRIPT.replace("LOG_TO_DRIVER", "False"))
     assert "before: 0 0" in out and "after shutdown: 0 0" in out
     assert "written-before-the-monitor" not in out
 
 
 def test_a_ctrl_c_while_the_log_monitor_starts_is_delivered_after_it_not_lost():
-    out = _run(log_to_driver=True, script=CTRL_C_DURING_THE_START)
+    out = _run(CTRL_C_DURING_THE_START)
     assert "interrupted after the start: True" in out, out[-3000:]
     assert "handler restored: True" in out
