@@ -2,10 +2,11 @@
 ServerState: the same checks, admission, abort, auth and status, and the same Prometheus registry.
 
 Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API: responses_api),
+POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's
+Responses API: responses_api, responses_background),
 POST /tokenize, POST /detokenize (these need the bearer token when the server has a key), and the
-open ones: GET /health (200 serving, else 503), GET /version, GET /metrics. Errors use OpenAI's
-envelope (openai_errors).
+open ones: GET /health (200 serving, else 503; GET or POST /ping the same), GET /version,
+GET /metrics. Errors use OpenAI's envelope (openai_errors).
 
 uvicorn runs as a task on the caller's event loop (the coordinator actor's, shared with gRPC and
 the engine loop), on a socket bound here so that port 0 works and a taken port is an OSError.
@@ -102,6 +103,9 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
             return error_response("unavailable", state.reason)
         return Response(status_code=200)
 
+    # vLLM's /ping (SageMaker's health check) is /health by another name.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/version")
     async def version():
         return {"version": VERSION}
@@ -134,7 +138,11 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     async def create_response(body: ResponsesRequest, request: Request):
         history = []
         if body.previous_response_id is not None:
-            history = stored_response(body.previous_response_id, "previous_response_id")[1]
+            previous, history = stored_response(body.previous_response_id, "previous_response_id")
+            if history is None:  # a background response still running, or one that failed or was cancelled
+                raise ApiError("invalid_argument", f"previous_response_id {body.previous_response_id!r} is "
+                               f"{previous['status']}: only a completed or incomplete response can be continued",
+                               "previous_response_id")
         return await generate(request, body, lambda engine, req: responses.create(engine, req, history),
                               typed_events=True)
 
@@ -142,9 +150,18 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     async def get_response(response_id: str):
         return stored_response(response_id)[0]
 
+    @app.post("/v1/responses/{response_id}/cancel", dependencies=guarded)
+    async def cancel_response(response_id: str):
+        if not stored_response(response_id)[0].get("background"):
+            raise ApiError("invalid_argument", f"{response_id!r} was not created with background=true: only a "
+                           "background response can be cancelled", "response_id")
+        await responses.background.cancel(response_id)
+        return stored_response(response_id)[0]  # its final state: the same on every later call
+
     @app.delete("/v1/responses/{response_id}", dependencies=guarded)
     async def delete_response(response_id: str):
         stored_response(response_id)
+        await responses.background.cancel(response_id)  # a response still running stops first
         responses.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -14,6 +14,8 @@ stream's typed events. No I/O here beyond the engine; http_server writes the byt
 - `tools` (function tools), `tool_choice`, `text.format` (json_object, json_schema) and
   `reasoning.effort` (the chat template's `reasoning_effort` variable, as vLLM passes it) map to
   their chat counterparts; options this server cannot honour are refused, naming the field.
+- `background`: POST answers with the response queued and the reply runs on; GET reads it, POST
+  /v1/responses/{id}/cancel stops it (responses_background).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat, usage
 from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
+from coordinator.responses_background import BackgroundResponses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -57,8 +60,8 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None  # accepted, unused
     prompt_cache_key: str | None = None  # accepted, unused: every prompt is prefix-cached
     service_tier: str | None = None  # accepted, unused
-    # Known, not implemented: refused unless unset
     background: bool | None = None
+    # Known, not implemented: refused unless unset
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
@@ -78,9 +81,14 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in ("background", "conversation", "prompt", "max_tool_calls"):
+        for name in ("conversation", "prompt", "max_tool_calls"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by this server; leave it unset")
+        if self.background and self.store is False:
+            raise ValueError("background requires store=true: a background response is read back from the store")
+        if self.background and self.stream:
+            raise ValueError("background with stream=true is not supported by this server; send background "
+                             "alone and poll GET /v1/responses/{id}, or stream without background")
         if self.truncation not in (None, "disabled"):
             raise ValueError(f"truncation must be \"disabled\" (a prompt too long for the model is refused); "
                              f"got {self.truncation!r}")
@@ -118,7 +126,8 @@ class ResponsesRequest(_Body):
 
     def echo(self) -> dict:
         """The request's settings as a Response object repeats them."""
-        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+        return {"background": bool(self.background), "instructions": self.instructions,
+                "max_output_tokens": self.max_output_tokens,
                 "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "previous_response_id": self.previous_response_id,
                 "reasoning": {"effort": (self.reasoning or {}).get("effort"),
@@ -389,6 +398,7 @@ class ResponsesServing:
         self.tool_call_parser = tool_call_parser
         self.reasoning = reasoning  # the server's ThinkParser, or None
         self.store = ResponseStore()
+        self.background = BackgroundResponses(self.store)
 
     async def create(self, engine: AsyncEngine, req: ResponsesRequest, history: list[dict]) -> dict | ChunkStream:
         chat = req.chat_request(history)
@@ -398,14 +408,33 @@ class ResponsesServing:
         conversation = chat.conversation()
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo()}
-        group = await RequestGroup.admit(engine, [(None, None, conversation)], params, head["id"], req.priority or 0,
-                                         self.request_timeout, chat.chat_options(),
-                                         "max_output_tokens" if req.max_output_tokens is not None else None)
-        fmt = ChatFormat(1, params.logprobs, tools, self.reasoning,
-                         reasoning.starts_inside(params, group.prompt_token_ids[0]))
-        items = OutputItems()
+        field = "max_output_tokens" if req.max_output_tokens is not None else None
+
+        async def admit() -> tuple[RequestGroup, ChatFormat]:
+            group = await RequestGroup.admit(engine, [(None, None, conversation)], params, head["id"],
+                                             req.priority or 0, self.request_timeout, chat.chat_options(), field)
+            return group, ChatFormat(1, params.logprobs, tools, self.reasoning,
+                                     reasoning.starts_inside(params, group.prompt_token_ids[0]))
+
+        if req.background:
+            # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.
+            engine.check_accepting(head["id"])
+            await engine.check_input(None, None, params, req.priority or 0, conversation, chat.chat_options(), field)
+
+            async def reply(started) -> dict:
+                group, fmt = await admit()
+                started()
+                return await self._whole(group, fmt, head, req, conversation, engine)
+
+            return self.background.start(head, reply)
+        group, fmt = await admit()
         if req.stream:
-            return ChunkStream(group, self._events(group, fmt, items, head, req, conversation, engine))
+            return ChunkStream(group, self._events(group, fmt, OutputItems(), head, req, conversation, engine))
+        return await self._whole(group, fmt, head, req, conversation, engine)
+
+    async def _whole(self, group: RequestGroup, fmt: ChatFormat, head: dict, req: ResponsesRequest,
+                     conversation: list[dict], engine: AsyncEngine) -> dict:
+        """The finished Response of an admitted request, not streamed (stored unless store=false)."""
         try:
             (final,) = await group.finals()
         finally:
@@ -413,6 +442,7 @@ class ResponsesServing:
         (choice,) = fmt.whole(final)
         message = choice["message"]
         calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
+        items = OutputItems()
         items.add({"reasoning_content": message.get("reasoning_content"), "content": message.get("content"),
                    "tool_calls": calls}, (choice["logprobs"] or {}).get("content"))
         items.begin_empty_message()

@@ -279,6 +279,8 @@ def test_a_client_leaving_mid_stream_aborts_its_request(client, server):
 def test_health_version_and_metrics_are_open(server):
     status, body = _request(server.url + "/health", key=None)
     assert status == 200
+    assert _request(server.url + "/ping", key=None)[0] == 200  # vLLM's (SageMaker's) name, GET and POST
+    assert _request(server.url + "/ping", {}, key=None)[0] == 200
     status, body = _request(server.url + "/version", key=None)
     assert status == 200 and json.loads(body)["version"]
     status, body = _request(server.url + "/metrics", key=None)
@@ -329,6 +331,7 @@ def test_a_server_still_loading_answers_503_and_tls_works():
     try:
         status, body = _request(f"http://127.0.0.1:{port}/health", key=None)
         assert status == 503 and json.loads(body)["error"]["message"] == "the model is still loading"
+        assert _request(f"http://127.0.0.1:{port}/ping", key=None)[0] == 503
         loading = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any", max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             loading.completions.create(model="m", prompt="hi")

@@ -181,7 +181,8 @@ def test_text_format_json_schema_and_logprobs(client, server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
@@ -201,12 +202,64 @@ def test_refusals_name_their_field(server, body, param):
     assert param in error["message"]
 
 
-def test_nothing_is_left_holding_a_block(client, server):
-    stream = client.responses.create(model=server.model, input="Go", max_output_tokens=200, stream=True, **GREEDY)
-    for event in stream:
-        if event.type == "response.output_text.delta":
-            break
-    stream.close()  # the client leaves mid-reply: the request is aborted
+def _settled(client, response_id: str, timeout: float = 60.0):
+    """The stored response once it has left `queued` and `in_progress`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
+
+
+def test_a_background_response_runs_on_and_is_read_back(client, server):
+    foreground = client.responses.create(model=server.model, input="Hello there", max_output_tokens=8, **GREEDY)
+    queued = client.responses.create(model=server.model, input="Hello there", max_output_tokens=8, background=True,
+                                     **GREEDY)
+    assert queued.background is True and queued.status in ("queued", "in_progress") and queued.output == []
+    done = _settled(client, queued.id)
+    assert done.id == queued.id and done.status == "incomplete"  # cut by max_output_tokens, as in the foreground
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 8
+    # it continues a conversation like any stored response; cancelling a finished one changes nothing
+    follow = client.responses.create(model=server.model, input="And?", previous_response_id=done.id,
+                                     max_output_tokens=2, **GREEDY)
+    assert follow.usage.input_tokens > done.usage.input_tokens
+    assert client.responses.cancel(done.id).status == "incomplete"
+
+
+def test_a_background_response_is_cancelled_and_frees_its_blocks(client, server):
+    generated = ray.get(server.actor.stats.remote(), timeout=30)["generation_tokens"]
+    running = client.responses.create(model=server.model, input="Go on", max_output_tokens=900, background=True,
+                                      **GREEDY)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.usage is None
+    assert client.responses.cancel(running.id).status == "cancelled"  # the same final object every time
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="cancelled"):
+        client.responses.create(model=server.model, input="x", previous_response_id=running.id)
+    # DELETE stops one still running too
+    doomed = client.responses.create(model=server.model, input="Go on", max_output_tokens=900, background=True,
+                                     **GREEDY)
+    assert client.responses.delete(doomed.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)
+    # only a background response may be cancelled
+    plain = client.responses.create(model=server.model, input="x", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="background") as info:
+        client.responses.cancel(plain.id)
+    assert info.value.body["param"] == "response_id"
+    _assert_idle(server)
+    # both stopped mid-reply: either alone would have generated 900 tokens
+    assert ray.get(server.actor.stats.remote(), timeout=30)["generation_tokens"] - generated < 900
+
+
+def test_a_background_request_is_checked_before_it_is_queued(client, server):
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens") as info:
+        client.responses.create(model=server.model, input="x", max_output_tokens=5000, background=True)
+    assert info.value.body["param"] == "max_output_tokens"
+
+
+def _assert_idle(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         stats = ray.get(server.actor.stats.remote(), timeout=30)
@@ -214,3 +267,12 @@ def test_nothing_is_left_holding_a_block(client, server):
             break
         time.sleep(0.1)
     assert stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_nothing_is_left_holding_a_block(client, server):
+    stream = client.responses.create(model=server.model, input="Go", max_output_tokens=200, stream=True, **GREEDY)
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()  # the client leaves mid-reply: the request is aborted
+    _assert_idle(server)
