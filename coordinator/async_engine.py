@@ -258,6 +258,11 @@ class AsyncEngine:
         """(replica label, engine) for the metrics: one replica, "0" (a Router has several)."""
         return [("0", self.llm_engine)]
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine's reset_prefix_cache, run on the step thread so that it falls between steps."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self.llm_engine.scheduler.kv.reset_prefix_cache)
+
     async def stats(self) -> dict:
         stats = self.llm_engine.stats()
         stats["num_queued"] = self.num_queued

@@ -3,10 +3,10 @@ ServerState: the same checks, admission, abort, auth and status, and the same Pr
 
 Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's
-Responses API: responses_api, responses_background),
-POST /tokenize, POST /detokenize (these need the bearer token when the server has a key), and the
-open ones: GET /health (200 serving, else 503; GET or POST /ping the same), GET /version,
-GET /metrics. Errors use OpenAI's envelope (openai_errors).
+Responses API: responses_api, responses_background), POST /tokenize, POST /detokenize,
+POST /reset_prefix_cache (these need the bearer token when the server has a key), and the open
+ones: GET /health (200 serving, else 503; GET or POST /ping the same), GET /version, GET /metrics.
+Errors use OpenAI's envelope (openai_errors).
 
 uvicorn runs as a task on the caller's event loop (the coordinator actor's, shared with gRPC and
 the engine loop), on a socket bound here so that port 0 works and a taken port is an OSError.
@@ -209,6 +209,15 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
                 yield f"data: {json.dumps(error_body(kind, str(e)))}\n\n"
         if not typed_events:
             yield "data: [DONE]\n\n"
+
+    @app.post("/reset_prefix_cache", dependencies=guarded)
+    async def reset_prefix_cache():
+        """vLLM's: every cached prefix forgotten (device and CPU tier), so the next prompts are
+        computed cold, as benchmarks of cold prefills want; refused while requests hold blocks."""
+        if not await engine().reset_prefix_cache():
+            return error_response("conflict", "requests are running and hold KV blocks: the prefix cache "
+                                  "can be reset only while the server is idle")
+        return Response(status_code=200)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest):

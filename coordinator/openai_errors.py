@@ -19,6 +19,7 @@ HTTP_ERRORS = {"invalid_argument": (400, "invalid_request_error"),
                "not_found": (404, "invalid_request_error"),
                "unauthenticated": (401, "authentication_error"),
                "queue_full": (429, "rate_limit_error"),
+               "conflict": (409, "invalid_request_error"),
                "unavailable": (503, "service_unavailable"),
                "deadline_exceeded": (504, "timeout_error"),
                "internal": (500, "server_error")}

@@ -218,6 +218,14 @@ class Router:
         finally:
             self._requests.discard(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Every serving replica's prefix cache forgotten (True only if none had a block in use),
+        and the routes the router remembered by prefix with them."""
+        live = [r for r in self.replicas if r.state == "serving"]
+        done = await asyncio.gather(*(r.engine.reset_prefix_cache() for r in live))
+        self._routed_prefixes.clear()
+        return all(done)
+
     async def stats(self) -> dict:
         """The cluster's totals (engine_stats' keys), the routing figures, and per replica
         replica.<i>.<key> for REPLICA_KEYS plus whether it serves and what was routed to it."""

@@ -311,6 +311,31 @@ def test_models_and_tokenize_detokenize_round_trip(client, server, bundled_token
     assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_cold(client, server):
+    prompt = "A prompt long enough to fill a few KV blocks of the prefix cache, " * 3
+    hits = lambda: _stats(server)["prefix_cache_hits"]  # noqa: E731
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=1, **GREEDY)
+    before = hits()
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=1, **GREEDY)
+    assert hits() > before  # cached: the second prefill hit it
+    assert _request(server.url + "/reset_prefix_cache", {}, key=None)[0] == 401  # guarded like the API
+    assert _request(server.url + "/reset_prefix_cache", {})[0] == 200
+    before = hits()
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=1, **GREEDY)
+    assert hits() == before  # forgotten: computed cold
+
+    # refused (409) while a request holds blocks, and nothing is forgotten then
+    stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=500, stream=True, **GREEDY)
+    next(iter(stream))
+    status, body = _request(server.url + "/reset_prefix_cache", {})
+    assert status == 409 and "idle" in json.loads(body)["error"]["message"]
+    stream.close()
+    _wait_for(server, lambda s: s["kv_blocks_used"] == 0)
+    before = hits()
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=1, **GREEDY)
+    assert hits() > before
+
+
 def test_every_status_kind_has_an_http_status():
     assert set(KINDS) <= set(HTTP_ERRORS)  # one table, as GRPC_CODES is for gRPC
 

@@ -105,6 +105,27 @@ def test_prefix_routing_keeps_a_shared_prefix_and_a_conversation_on_one_replica(
         assert stats["prefix_cache_hits"] > 0
 
 
+def test_reset_prefix_cache_reaches_every_replica(two_replicas):
+    import urllib.request
+
+    actor, target = two_replicas
+    url = f"http://127.0.0.1:{ray.get(actor.status.remote())['http_port']}/reset_prefix_cache"
+    prompts = [[300 + (i * 7 + k) % 900 for i in range(4 * BLOCK)] for k in range(4)]
+    with pagedserve.Client(target, timeout=60) as client:
+        start = _wait_idle(client)
+        for _ in range(2):  # the second pass hits each prompt's cached blocks, wherever they went
+            for prompt in prompts:
+                client.generate(prompt, max_tokens=1, temperature=0.0)
+        cached = _wait_idle(client)
+        assert cached["prefix_cache_hits"] >= start["prefix_cache_hits"] + len(prompts) * 3 * BLOCK
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=30) as reply:
+            assert reply.status == 200
+        for prompt in prompts:
+            client.generate(prompt, max_tokens=1, temperature=0.0)
+        after = _wait_idle(client)
+    assert after["prefix_cache_hits"] == cached["prefix_cache_hits"]  # every prompt computed cold again
+
+
 def test_metrics_carry_a_replica_label(two_replicas):
     actor, _ = two_replicas
     port = ray.get(actor.status.remote())["metrics_port"]
