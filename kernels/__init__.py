@@ -55,7 +55,7 @@ def get_backend(name: str, device: str, dtype: torch.dtype) -> AttentionBackend:
         if not cpu.usable(device, dtype):
             raise ValueError("attention_backend 'cpu' needs device cpu, dtype float32 or bfloat16 and a C "
                              "compiler (cc)")
-        return cpu.CpuBackend()
+        return cpu.CpuBackend(dtype)
     from kernels.reference import TorchBackend
 
     return TorchBackend(device)

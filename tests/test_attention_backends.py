@@ -116,6 +116,36 @@ def test_cpu_decode_kernel_groups_of_heads_and_tokens(heads, block_size, head_di
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+# The prefill kernel's tiles: 16 query positions x the query heads of one KV head, keys 16 at a
+# time. Prompts longer than a tile, fresh and over cached context, ending inside and on the edge
+# of a tile and of a block; 8-token blocks (shorter than a group of 16 keys) and 32 (two groups);
+# 1, 3, 4 and 8 query heads per KV head, and 9, which the kernel declines (torch's path then).
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 2), (9, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_prefill_kernel_tiles_of_positions_heads_and_keys(heads, block_size, head_dim):
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    num_heads, num_kv_heads = heads
+    query_lens, cached_lens = [37, 16, 1, 17, 50, 9], [0, 0, 30, 33, 64, 100]
+    results = []
+    for name in ("torch", "cpu"):
+        backend = kernels.get_backend(name, "cpu", torch.float32)
+        gen = torch.Generator().manual_seed(num_heads * block_size + head_dim)
+        cache, query, new_k, new_v, meta, _, _ = _random_batch(
+            gen, block_size, query_lens, cached_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, backend=backend)
+        if name == "cpu":  # the kernel takes every chunk of 9+ tokens, unless it declines the shape
+            assert meta.prefill_seqs is not None and meta.prefills.groups == []
+            assert meta.prefill_seqs.q_len.tolist() == [37, 16, 17, 50, 9]
+        backend.write_kv(new_k, new_v, cache, meta)
+        results.append(backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.125))
+    want, got = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    declined = num_heads // num_kv_heads > 8
+    assert (meta.prefill_seqs is None) == declined and backend._prefill_in_c == (not declined)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("head_dim", [64, 12])
 def test_cpu_backend_on_a_bf16_cache_gives_the_fp32_result_of_the_same_values(layout, head_dim):

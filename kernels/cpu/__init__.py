@@ -1,5 +1,6 @@
-"""The `cpu` attention backend: a C kernel for decode attention, compiled on first use with the
-system C compiler; prefills run on the torch reference. Also the int8 and bf16 weight-only
+"""The `cpu` attention backend: C kernels for decode attention and (fp32 caches) for prompt
+chunks, kernels/cpu/paged_decode_attention.c and paged_prefill_attention.c, compiled on first use
+with the system C compiler; the rest runs on the torch reference. Also the int8 and bf16 weight-only
 linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`) and for a few bf16
 rows on AVX512-BF16 (`bf16_dot_linear`), kernels/cpu/weight_gemv.c; the decoder layer's fp32 and
 bf16 element-wise steps (`add_rms_norm`, `silu_mul`, `rope`, kernels/cpu/elementwise.c); and the
@@ -276,6 +277,46 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Ten
         s_block, s_kv, s_tok, s_head, scale, torch.get_num_threads(), int(kv_cache.dtype == torch.bfloat16))
 
 
+_PREFILL_SOURCE = Path(__file__).with_name("paged_prefill_attention.c")
+
+
+def load_prefill() -> ctypes.CDLL | None:
+    lib = _library(_PREFILL_SOURCE, "paged_prefill_attention_f32",
+                   (_PTR,) * 7 + (_I64,) * 10 + (ctypes.c_float, ctypes.c_int))
+    if lib is not None:
+        lib.paged_prefill_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+@dataclass(slots=True)
+class PrefillSeqs:
+    """The step's prompt chunks for the C prefill kernel (int32, contiguous): each one's first
+    row in the step, its new tokens, its whole context so far, its block table."""
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    ctx_len: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, seqs: PrefillSeqs,
+                      scale: float) -> bool:
+    """Causal attention of every chunk's rows of `query` over its paged context, into the same
+    rows of `out` (kernels/cpu/paged_prefill_attention.c); both [T, H, D] contiguous fp32, the
+    cache fp32. False, with nothing written, for shapes the kernel does not take (head sizes other
+    than 64 and 128, more than 8 query heads per KV head)."""
+    lib = load_prefill()
+    if lib is None or kv_cache.dtype != torch.float32 or query.dtype != torch.float32:
+        return False
+    s_block, s_kv, s_tok, s_head, s_d = kv_cache.stride()
+    assert s_d == 1 and query.is_contiguous() and out.is_contiguous()
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    return lib.paged_prefill_attention_f32(
+        out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), seqs.block_tables.data_ptr(), seqs.q_start.data_ptr(),
+        seqs.q_len.data_ptr(), seqs.ctx_len.data_ptr(), seqs.q_len.shape[0], num_heads, kv_cache.shape[3], head_dim,
+        kv_cache.shape[2], seqs.block_tables.shape[1], s_block, s_kv, s_tok, s_head, scale,
+        torch.get_num_threads()) == 0
+
+
 def usable(device: str, dtype: torch.dtype) -> bool:
     """Checks the device and dtype before building: only a CPU fp32 or bf16 run compiles the kernel."""
     return str(device) == "cpu" and dtype in KV_DTYPES and available()
@@ -289,6 +330,8 @@ class CpuMetadata:
     decode_context_lens: torch.Tensor  # [D] int32
     backend: CpuBackend
     only_decodes: bool = False  # every row of the step is a decode row, in order (no prefill work)
+    prefill_seqs: PrefillSeqs | None = None  # the prompt chunks, for the C prefill kernel (no groups then)
+    torch_prefill_groups: object = None  # () -> the same chunks as torch groups, if the kernel declines
 
 
 # Chunks over cached context of up to this many tokens (speculative drafts, a P/D decode
@@ -300,23 +343,40 @@ SMALL_CHUNK = 8
 
 
 class CpuBackend:
-    """Decodes (and small chunks over cached context) on the C kernel, reading the paged cache in
-    place (no gather); everything else on the torch reference."""
+    """Decodes (and small chunks over cached context) on the C decode kernel, prompt chunks on the
+    C prefill kernel (fp32 caches), both reading the paged cache in place (no gather); the rest
+    (bf16 prompt chunks, shapes the kernels decline) on the torch reference."""
 
     name = "cpu"
 
-    def __init__(self):
+    def __init__(self, kv_dtype: torch.dtype = torch.float32):
         self._torch = reference.TorchBackend("cpu")
+        # Prompt chunks on the C prefill kernel: fp32 caches, until a model's shape is one it
+        # declines (then the torch path, from that step on).
+        self._prefill_in_c = kv_dtype == torch.float32 and load_prefill() is not None
 
     def build_metadata(self, query_lens, context_lens, block_tables, slot_mapping, block_size: int,
                        max_gather_tokens: int = 1 << 30) -> CpuMetadata:
         query_lens, context_lens = query_lens.long(), context_lens.long()
         starts = reference.query_starts(query_lens)
         small = (query_lens > 1) & (query_lens <= SMALL_CHUNK) & (context_lens > query_lens)
-        groups = reference.prefill_groups(query_lens, context_lens, block_tables, block_size)
-        if bool(small.any()):
-            small_starts = set(starts[small].tolist())
-            groups = [g for g in groups if int(g.token_index[0, 0]) not in small_starts]
+        chunks = (query_lens > 1) & ~small
+
+        def torch_groups() -> list:
+            groups = reference.prefill_groups(query_lens, context_lens, block_tables, block_size)
+            if bool(small.any()):
+                small_starts = set(starts[small].tolist())
+                groups = [g for g in groups if int(g.token_index[0, 0]) not in small_starts]
+            return groups
+
+        seqs = None
+        if self._prefill_in_c and bool(chunks.any()):
+            index = torch.nonzero(chunks).flatten()
+            seqs = PrefillSeqs(*(t[index].to(torch.int32).contiguous() for t in (starts, query_lens, context_lens)),
+                               block_tables[index].to(torch.int32).contiguous())
+            groups = []
+        else:
+            groups = torch_groups()
         prefills = reference.metadata_for(groups, slot_mapping, block_size)
         prefills.backend = self._torch
         # One query row per decode, and per token of each small chunk (its context ends there).
@@ -328,7 +388,8 @@ class CpuBackend:
         lens = context_lens[per_row] - query_lens[per_row] + 1 + offset
         return CpuMetadata(prefills, rows, block_tables[per_row].to(torch.int32).contiguous(),
                            lens.to(torch.int32).contiguous(), self,
-                           only_decodes=not groups and rows.numel() == int(query_lens.sum()))
+                           only_decodes=not groups and seqs is None and rows.numel() == int(query_lens.sum()),
+                           prefill_seqs=seqs, torch_prefill_groups=torch_groups)
 
     def write_kv(self, key, value, kv_cache, meta: CpuMetadata) -> None:
         reference.write_kv(key, value, kv_cache, meta.prefills)
@@ -340,6 +401,12 @@ class CpuBackend:
                              meta.decode_context_lens, scale)
             return o.to(query.dtype)
         out = self._torch.paged_attention(query, key, value, kv_cache, meta.prefills, scale)
+        if meta.prefill_seqs is not None:
+            if not prefill_attention(out, query.contiguous(), kv_cache, meta.prefill_seqs, scale):
+                self._prefill_in_c = False  # a shape the kernel declines: torch's path from now on
+                meta.prefills.groups = meta.torch_prefill_groups()
+                meta.prefill_seqs = None
+                return self.paged_attention(query, key, value, kv_cache, meta, scale)
         if meta.decode_rows.numel():
             # fp32 queries and results whatever the cache holds: the kernel sums in fp32.
             o = torch.empty(meta.decode_rows.shape[0], query.shape[1], query.shape[2], dtype=torch.float32)
