@@ -15,10 +15,6 @@ from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
-# A stored response in one of these states has no conversation yet (or never will):
-# `previous_response_id` may not name it.
-UNFINISHED = ("queued", "in_progress")
-
 
 class BackgroundResponses:
     """The running background responses of one server, by response id, over its ResponseStore."""
@@ -51,9 +47,6 @@ class BackgroundResponses:
             code = "invalid_prompt" if isinstance(e, ValueError) else "server_error"
             log.warning("background response %s failed: %r", queued["id"], e)
             self.store.put({**queued, "status": "failed", "error": {"code": code, "message": str(e)}}, None)
-
-    def running(self, response_id: str) -> bool:
-        return response_id in self._tasks
 
     async def cancel(self, response_id: str) -> None:
         """Stop the response if it still runs, and wait until its cancelled state is stored (a

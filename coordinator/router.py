@@ -221,8 +221,7 @@ class Router:
     async def reset_prefix_cache(self) -> bool:
         """Every serving replica's prefix cache forgotten (True only if none had a block in use),
         and the routes the router remembered by prefix with them."""
-        live = [r for r in self.replicas if r.state == "serving"]
-        done = await asyncio.gather(*(r.engine.reset_prefix_cache() for r in live))
+        done = await asyncio.gather(*(r.engine.reset_prefix_cache() for r in self.replicas if r.serving))
         self._routed_prefixes.clear()
         return all(done)
 

@@ -280,6 +280,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Ten
 _PREFILL_SOURCE = Path(__file__).with_name("paged_prefill_attention.c")
 
 
+@functools.cache
 def load_prefill() -> ctypes.CDLL | None:
     lib = _library(_PREFILL_SOURCE, "paged_prefill_attention_f32",
                    (_PTR,) * 7 + (_I64,) * 10 + (ctypes.c_float, ctypes.c_int))
