@@ -4,6 +4,9 @@ The rest runs on a GPU only: benchmarks/gpu/check.sh."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from pagedserve.config import EngineConfig, resolve_model
@@ -42,6 +45,21 @@ def test_the_memory_profiles_dummy_steps_run_and_write_only_the_scratch_cache(ti
     worker.dummy_step(scratch, num_seqs=4, query_len=1, logits_rows=0)  # a decode batch
 
 
+def test_every_model_tensor_lives_where_the_model_is_built(tiny_llama):
+    """The first GPU run found the RoPE tables left on the CPU (a device-side index error at the
+    first step). Built under the meta device, anything computed on the CPU and kept shows up."""
+    import torch
+
+    from workers.model_config import load_hf_config
+    from workers.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_hf_config(resolve_model(tiny_llama)), max_positions=64)
+    placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert {"rope_cos", "rope_sin"} <= placed.keys()
+    assert set(placed.values()) == {"meta"}, {n: d for n, d in placed.items() if d != "meta"}
+
+
 def test_argmax_on_the_device_only_for_plain_greedy_rows():
     greedy = SeqSampling(0, 0.0, 1.0, 0, 0.0, None)
     assert _plain_greedy(greedy)
@@ -75,3 +93,23 @@ def test_the_cpu_path_runs_without_triton_or_cupy(tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_gpu_checks_script_runs_end_to_end_in_smoke_mode(tmp_path):
+    """benchmarks/gpu/check.py is run only where a GPU is lent, rarely: its smoke mode (the same
+    code, tiny shapes, Triton interpreted) keeps it from rotting between such runs."""
+    import json
+    import runpy
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("smoke mode runs Triton in its CPU interpreter")
+    check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "check.py"))
+    assert check["main"](["--smoke", "--out", str(tmp_path)]) == 0
+    details = json.loads((tmp_path / "details.json").read_text())
+    assert details["errors"] == {}
+    assert len(details["kernels"]) == 36 and all(r["ok"] for r in details["kernels"])
+    assert details["swap"]["exact"]
+    (tiny,) = details["end_to_end"]
+    for mode in ("graphs", "eager"):  # on a CPU both run eagerly: the check's own plumbing
+        assert tiny[mode]["identical_greedy_outputs"] == tiny["requests"]
+        assert tiny[mode]["same_first_token"] == tiny["requests"]

@@ -42,8 +42,10 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((largest, max_blocks), dtype=torch.int32, device=device)
-        rows = torch.arange(largest, dtype=torch.long, device=device)
-        no_prefill = torch.zeros(0, dtype=torch.int32, device=device)
+        # Held for the graphs' lifetime: a replay reads them through the addresses captured, so a
+        # tensor freed after capture would hand its memory to others and the graphs garbage.
+        self.rows = rows = torch.arange(largest, dtype=torch.long, device=device)
+        self.no_prefill = no_prefill = torch.zeros(0, dtype=torch.int32, device=device)
         num_kv_heads = kv_cache.shape[4]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

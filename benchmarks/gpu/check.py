@@ -16,6 +16,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,6 +40,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="kernels and decode timing only")
     p.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shaped end-to-end run")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script")
+    p.add_argument("--sections", default="kernels,decode,swap,e2e",
+                   help="comma-separated subset of kernels,decode,swap,e2e (to rerun what failed)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds after which no further end-to-end shape starts (0: none)")
     return p.parse_args(argv)
 
 
@@ -136,7 +141,41 @@ def time_decode(device: str, smoke: bool) -> dict:
     attn_gb_s = kv_bytes / attn / 1e9
     return {"batch": batch, "context": context, "kv_bytes": kv_bytes, "attention_ms": attn * 1e3,
             "attention_gb_s": attn_gb_s, "copy_gb_s": copy_gb_s, "share_of_copy": attn_gb_s / copy_gb_s,
-            "num_splits": tk.attention.choose_num_splits(batch, kv_heads, context)}
+            "num_splits": tk.attention.choose_num_splits(batch, kv_heads, context),
+            "variants": _decode_variants(q, cache, meta, kv_bytes, smoke, device)}
+
+
+def _decode_variants(q, cache, meta, kv_bytes: int, smoke: bool, device: str) -> list[dict]:
+    """The decode kernel alone (no combine) at other tile sizes, warps and pipeline stages: what
+    to tune next. GB/s of K/V read per variant."""
+    import triton
+
+    from kernels.triton import attention as ta
+
+    batch, heads, head_dim = q.shape
+    _, _, block_size, kv_heads, _ = cache.shape
+    rep = heads // kv_heads
+    grid_splits = 1
+    acc = torch.empty((batch, heads, grid_splits, head_dim), dtype=torch.float32, device=device)
+    ml = torch.empty((batch, heads, grid_splits, 2), dtype=torch.float32, device=device)
+    strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3))
+    rows = []
+    variants = [(32, 4, 1)] if smoke else [(32, 4, 1), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (16, 4, 4)]
+    for block_n, warps, stages in variants:
+        def launch():
+            ta._decode_kernel[(batch, kv_heads, grid_splits)](
+                q, cache, acc, ml, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
+                head_dim ** -0.5, q.stride(0), q.stride(1), *strides, meta.decode_block_tables.stride(0),
+                NUM_HEADS=heads, NUM_SPLITS=grid_splits, REP=rep, REP_PAD=triton.next_power_of_2(rep),
+                BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        try:
+            seconds = _time(launch, device)
+            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                         "ms": seconds * 1e3, "gb_s": kv_bytes / seconds / 1e9})
+        except Exception as e:  # a variant that does not compile (registers, shared memory) is a result too
+            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "error": repr(e)[:300]})
+    return rows
 
 
 # ---- 2b. swap through the KV store's segment ------------------------------------------------------
@@ -216,38 +255,93 @@ def workload(vocab: int, num: int, prompt: tuple[int, int], output: tuple[int, i
             for _ in range(num)]
 
 
-def end_to_end(shape: str, device: str, smoke: bool) -> dict:
+def _run_ours(path: str, requests, device: str, smoke: bool, eager: bool) -> dict:
+    """The workload through `LLM` (CUDA graphs of decode steps unless `eager`): seconds, outputs, stats."""
     from pagedserve import LLM, SamplingParams
+
+    engine = {"device": device, "dtype": "float32" if smoke else "bfloat16", "enforce_eager": eager}
+    if not smoke:
+        engine.update(gpu_memory_utilization=0.85, max_num_seqs=256, max_num_batched_tokens=8192)
+    loading = time.perf_counter()
+    with LLM(path, **engine) as llm:
+        load_s = time.perf_counter() - loading
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4), use_tqdm=False)
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stats = llm.stats()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"seconds": seconds, "load_s": load_s, "outputs": [o.outputs[0].token_ids for o in outs], "stats": stats}
+
+
+def end_to_end(shape: str, device: str, smoke: bool, errors: dict) -> dict:
+    """pagedserve with CUDA graphs (and, for the small shape, eager too: what graphs buy) against
+    transformers. A failed graphs run is recorded in `errors` and the eager run still measured."""
     from pagedserve.bench.hf_baseline import run_transformers
 
     dtype = torch.float32 if smoke else torch.bfloat16
     num, prompt, output, batch = (6, (8, 24), (4, 8), 3) if smoke else (256, (128, 512), (64, 256), 32)
     requests = workload(SHAPES[shape][5], num, prompt, output)
     useful = sum(r.max_tokens for r in requests)
+    modes = {"graphs": False, "eager": True} if shape != "llama-3-8b" else {"graphs": False}
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        made = time.perf_counter()
         path = make_random_model(shape, Path(tmp), dtype, device)
-        engine = {"device": device, "dtype": "float32" if smoke else "bfloat16"}
-        if not smoke:
-            engine.update(gpu_memory_utilization=0.85, max_num_seqs=256, max_num_batched_tokens=8192)
-        with LLM(path, **engine) as llm:
-            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4), use_tqdm=False)
-            params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
-            ours = time.perf_counter() - start
-            stats = llm.stats()
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        made = time.perf_counter() - made
+        for mode, eager in modes.items():
+            try:
+                runs[mode] = _run_ours(path, requests, device, smoke, eager)
+            except Exception:
+                errors[f"e2e {shape} {mode}"] = traceback.format_exc()
+                print(errors[f"e2e {shape} {mode}"], flush=True)
+                if mode == "graphs" and "eager" not in modes:
+                    runs["eager"] = _run_ours(path, requests, device, smoke, True)
         hf = run_transformers(path, requests, batch, dtype, device)
-    same = sum(o.outputs[0].token_ids == h for o, h in zip(outs, hf["outputs"]))
-    return {"shape": shape, "requests": num, "output_tokens": useful, "pagedserve_s": ours,
-            "pagedserve_tok_s": useful / ours, "transformers_s": hf["seconds"],
-            "transformers_tok_s": hf["output_token_throughput"], "speedup": hf["seconds"] / ours,
-            "identical_greedy_outputs": same, "kv_blocks_total": stats["kv_blocks_total"],
-            "kv_blocks_peak_used": stats["kv_blocks_peak_used"], "hf_batch": batch}
+    result = {"shape": shape, "requests": num, "output_tokens": useful, "model_write_s": made,
+              "transformers_s": hf["seconds"], "transformers_tok_s": hf["output_token_throughput"], "hf_batch": batch}
+    for mode, run in runs.items():
+        result[mode] = {"seconds": run["seconds"], "tok_s": useful / run["seconds"], "load_s": run["load_s"],
+                        "speedup": hf["seconds"] / run["seconds"],
+                        "identical_greedy_outputs": sum(a == b for a, b in zip(run["outputs"], hf["outputs"])),
+                        **_agreement(run["outputs"], hf["outputs"]),
+                        "kv_blocks_total": run["stats"]["kv_blocks_total"],
+                        "kv_blocks_peak_used": run["stats"]["kv_blocks_peak_used"]}
+    best = result.get("graphs") or result.get("eager")
+    if best:  # the headline figures: graphs when they ran
+        result.update(pagedserve_s=best["seconds"], pagedserve_tok_s=best["tok_s"], speedup=best["speedup"],
+                      identical_greedy_outputs=best["identical_greedy_outputs"])
+    return result
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far greedy outputs agree before they part. Random bf16 weights give nearly flat logits,
+    where the two engines' different (equally valid) rounding flips near-ties: whole-output
+    identity then says little, the first token and the shared prefix more."""
+    prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                for x, y in zip(ours, theirs)]
+    return {"same_first_token": sum(bool(x) and bool(y) and x[0] == y[0] for x, y in zip(ours, theirs)),
+            "mean_shared_prefix": sum(prefixes) / max(len(prefixes), 1)}
+
+
+def _section(results: dict, out: Path, name: str, fn):
+    """Run one part of the check; a failure is recorded (and printed) and the rest still runs."""
+    start = time.perf_counter()
+    try:
+        value = fn()
+    except Exception:
+        results["errors"][name] = traceback.format_exc()
+        print(results["errors"][name], flush=True)
+        value = None
+    results["seconds"][name] = round(time.perf_counter() - start, 1)
+    print(f"[{name}: {results['seconds'][name]} s]", flush=True)
+    (out / "details.json").write_text(json.dumps(results, indent=2))
+    return value
 
 
 def main(argv=None) -> int:
@@ -265,38 +359,70 @@ def main(argv=None) -> int:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    print("environment:", env)
-    results = {"environment": env, "kernels": check_kernels(device, args.smoke)}
-    bad = [r for r in results["kernels"] if not r["ok"]]
-    worst = {}
-    for r in results["kernels"]:
-        key = (r["kernel"].split(" ")[0], r["dtype"])
-        worst[key] = max(worst.get(key, 0.0), r["rel_err"])
-    results["decode"] = decode = time_decode(device, args.smoke)
-    results["swap"] = swap = time_swap(device, args.smoke)
-    (out / "details.json").write_text(json.dumps(results, indent=2))
-    if not args.quick:
+    print("environment:", env, flush=True)
+    began = time.perf_counter()
+    sections = set(args.sections.split(","))
+    results = {"environment": env, "errors": {}, "seconds": {}}
+    if "kernels" in sections:
+        results["kernels"] = _section(results, out, "kernels", lambda: check_kernels(device, args.smoke)) or []
+    if "decode" in sections:
+        results["decode"] = _section(results, out, "decode", lambda: time_decode(device, args.smoke))
+    if "swap" in sections:
+        results["swap"] = _section(results, out, "swap", lambda: time_swap(device, args.smoke))
+    if "e2e" in sections and not args.quick:
         shapes = ["tiny"] if args.smoke else ["smollm2-135m"] + ([] if args.skip_8b else ["llama-3-8b"])
         results["end_to_end"] = []
         for shape in shapes:
-            results["end_to_end"].append(end_to_end(shape, device, args.smoke))
+            if args.deadline and time.perf_counter() - began > args.deadline:
+                results["errors"][f"e2e {shape}"] = f"skipped: past the {args.deadline:.0f} s deadline"
+                continue
+            e = _section(results, out, f"e2e {shape}",
+                         lambda: end_to_end(shape, device, args.smoke, results["errors"]))
+            if e:
+                results["end_to_end"].append(e)
+                print("end to end:", e, flush=True)
             (out / "details.json").write_text(json.dumps(results, indent=2))
-            print("end to end:", results["end_to_end"][-1])
+    print_table(results)
+    bad = [r for r in results.get("kernels", []) if not r["ok"]]
+    swap = results.get("swap")
+    print(f"\nkernel checks failed: {len(bad)} of {len(results.get('kernels', []))}; "
+          f"sections that raised: {sorted(results['errors']) or 'none'}; details: {out / 'details.json'}")
+    return 1 if bad or results["errors"] or (swap and not swap["exact"]) else 0
+
+
+def print_table(results: dict) -> None:
+    worst = {}
+    for r in results.get("kernels", []):
+        key = (r["kernel"].split(" ")[0], r["dtype"])
+        worst[key] = max(worst.get(key, 0.0), r["rel_err"])
     print()
     print("| check | figure | target |")
     print("|---|---|---|")
     for (kernel, dtype), err in sorted(worst.items()):
         target = TOLERANCE[getattr(torch, dtype)]
         print(f"| {kernel} {dtype} (block 8/16/32) | max relative error {err:.2e} | < {target:g} |")
-    print(f"| decode attention, {decode['batch']} x {decode['context']} tokens, bf16 | {decode['attention_gb_s']:.0f} GB/s "
-          f"= {100 * decode['share_of_copy']:.0f}% of copy ({decode['copy_gb_s']:.0f} GB/s) | >= 70% |")
-    print(f"| swap, {swap['bytes'] / 1e6:.0f} MB, page-locked segment, side stream | out {swap['swap_out_gb_s']:.1f} GB/s, "
-          f"in {swap['swap_in_gb_s']:.1f} GB/s (pageable copy {swap['pageable_copy_gb_s']:.1f}); exact {swap['exact']} | - |")
+    decode = results.get("decode")
+    if decode:
+        print(f"| decode attention, {decode['batch']} x {decode['context']} tokens, bf16 | "
+              f"{decode['attention_gb_s']:.0f} GB/s = {100 * decode['share_of_copy']:.0f}% of copy "
+              f"({decode['copy_gb_s']:.0f} GB/s) | >= 70% |")
+        for v in decode.get("variants", []):
+            figure = f"{v['gb_s']:.0f} GB/s ({v['ms']:.3f} ms)" if "gb_s" in v else v["error"][:60]
+            print(f"| decode kernel alone, BLOCK_N {v['block_n']}, {v['num_warps']} warps, "
+                  f"{v['num_stages']} stages | {figure} | - |")
+    swap = results.get("swap")
+    if swap:
+        print(f"| swap, {swap['bytes'] / 1e6:.0f} MB, page-locked segment, side stream | out "
+              f"{swap['swap_out_gb_s']:.1f} GB/s, in {swap['swap_in_gb_s']:.1f} GB/s (pageable copy "
+              f"{swap['pageable_copy_gb_s']:.1f}); exact {swap['exact']} | - |")
     for e in results.get("end_to_end", []):
-        print(f"| {e['shape']} end to end, {e['requests']} req | {e['pagedserve_tok_s']:.0f} vs {e['transformers_tok_s']:.0f} "
-              f"output tok/s = {e['speedup']:.1f}x ({e['identical_greedy_outputs']}/{e['requests']} same) | >= 10x |")
-    print(f"\nkernel checks failed: {len(bad)} of {len(results['kernels'])}; details: {out / 'details.json'}")
-    return 1 if bad or not swap["exact"] else 0
+        for mode in ("graphs", "eager"):
+            if mode in e:
+                m = e[mode]
+                print(f"| {e['shape']} end to end, {e['requests']} req, {mode} | {m['tok_s']:.0f} vs "
+                      f"{e['transformers_tok_s']:.0f} output tok/s = {m['speedup']:.1f}x "
+                      f"({m['identical_greedy_outputs']}/{e['requests']} same, {m['same_first_token']} same first "
+                      f"token, shared prefix {m['mean_shared_prefix']:.0f}) | >= 10x |")
 
 
 if __name__ == "__main__":

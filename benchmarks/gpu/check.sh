@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU device check: one prepared run on a machine with an NVIDIA GPU that installs nothing from
 # the network. See README.md here for what it measures and which wheels to carry.
-#   bash benchmarks/gpu/check.sh            # everything (about 8 minutes on an H200)
-#   bash benchmarks/gpu/check.sh --quick    # kernels and decode timing only
+#   bash benchmarks/gpu/check.sh            # everything (7 minutes on an H200, measured)
+#   bash benchmarks/gpu/check.sh --quick    # kernels, decode timing and swap only
 #   TRITON_INTERPRET=1 bash benchmarks/gpu/check.sh --smoke   # the script itself, on a CPU, tiny shapes
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -21,6 +21,8 @@ def load_hf_model(model: str, dtype: torch.dtype, device: str = "cpu"):
     src = resolve_model(model)
     tokenizer = load_tokenizer(src)
     kwargs = {"gguf_file": src.gguf_file, "quantization_config": GgufConfig(dequantize=True)} if src.gguf_file else {}
+    if device != "cpu":  # straight onto the device, not through a host copy of every weight
+        kwargs["device_map"] = device
     hf = AutoModelForCausalLM.from_pretrained(src.directory, dtype=dtype, **kwargs)
     return hf.to(device).eval(), tokenizer
 

@@ -322,7 +322,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
-        cos, sin = rope_tables(config, max_positions)
+        # rope_tables computes on the CPU: the tables then go where the model is built.
+        cos, sin = (t.to(self.embed_tokens.weight.device) for t in rope_tables(config, max_positions))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
