@@ -107,7 +107,7 @@ def test_the_gpu_checks_script_runs_end_to_end_in_smoke_mode(tmp_path):
     assert check["main"](["--smoke", "--out", str(tmp_path)]) == 0
     details = json.loads((tmp_path / "details.json").read_text())
     assert details["errors"] == {}
-    assert len(details["kernels"]) == 36 and all(r["ok"] for r in details["kernels"])
+    assert len(details["kernels"]) == 63 and all(r["ok"] for r in details["kernels"])
     assert details["swap"]["exact"]
     (tiny,) = details["end_to_end"]
     for mode in ("graphs", "eager"):  # on a CPU both run eagerly: the check's own plumbing

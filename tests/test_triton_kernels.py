@@ -74,11 +74,12 @@ def test_write_kv_and_attention_match_the_reference(dtype, block_size, case):
     meta = tk.build_metadata(q_lens, c_lens, tables, slots, DEVICE)
     tk.write_kv(dev(key), dev(value), tri_cache, meta.slot_mapping)
     assert torch.equal(tri_cache.cpu(), ref_cache)  # every slot written, nothing else touched
-    for splits in (1, 3):
-        meta.num_splits = splits
-        got = tk.paged_attention(dev(query), tri_cache, meta, scale=head_dim ** -0.5).cpu()
-        assert not got.float().isnan().any()
-        assert _relative_error(got, want) < TOLERANCE[dtype], (splits, _relative_error(got, want))
+    for kernel in tk.attention.DECODE_KERNELS:
+        for splits in (1, 3):
+            meta.num_splits, meta.decode_kernel = splits, kernel
+            got = tk.paged_attention(dev(query), tri_cache, meta, scale=head_dim ** -0.5).cpu()
+            assert not got.float().isnan().any()
+            assert _relative_error(got, want) < TOLERANCE[dtype], (kernel, splits, _relative_error(got, want))
 
 
 def test_padding_slots_write_nothing_and_a_non_power_of_two_head_dim_works():
@@ -118,3 +119,21 @@ def test_a_model_on_the_triton_backend_gives_the_torch_backends_tokens(tiny_llam
     with LLM(tiny_llama, kv_cache_memory=1 << 22, attention_backend="triton", max_num_batched_tokens=32) as llm:
         assert llm.engine.executor.worker.attn_backend.name == "triton"
         assert _generate(llm, prompts, max_new=6) == want
+
+
+
+def test_the_kernels_compile_for_hopper():
+    """The interpreter runs code the compiler refuses, and never sees registers or shared memory:
+    benchmarks/gpu/compile_check.py compiles every kernel for sm_90 (as an H100/H200 runs it) in
+    a process of its own (the compiler needs triton imported without TRITON_INTERPRET)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "compile_check.py"
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
+    assert len(compiled) == 16, done.stdout  # 4 kernels x bf16/fp32 x 2 head layouts

@@ -94,13 +94,15 @@ def check_kernels(device: str, smoke: bool) -> list[dict]:
             write_ok = torch.equal(tri_cache.float(), ref_cache.to(tri_cache.dtype).float())
             rows.append({"kernel": "write_kv", "dtype": str(dtype).split(".")[-1], "block_size": block_size,
                          "rel_err": 0.0 if write_ok else 1.0, "ok": write_ok})
-            for splits in (None, 1, 4):
-                meta.num_splits = splits
-                got = tk.paged_attention(q.to(device), tri_cache, meta, head_dim ** -0.5).float()
-                err = float((got - want).abs().max() / want.abs().max())
-                ok = err < TOLERANCE[dtype] and not bool(got.isnan().any())
-                rows.append({"kernel": f"paged_attention (splits {splits or 'auto'})", "dtype": str(dtype).split(".")[-1],
-                             "block_size": block_size, "rel_err": err, "ok": ok})
+            for decode_kernel in tk.attention.DECODE_KERNELS:
+                for splits in (None, 1, 4):
+                    meta.num_splits, meta.decode_kernel = splits, decode_kernel
+                    got = tk.paged_attention(q.to(device), tri_cache, meta, head_dim ** -0.5).float()
+                    err = float((got - want).abs().max() / want.abs().max())
+                    ok = err < TOLERANCE[dtype] and not bool(got.isnan().any())
+                    rows.append({"kernel": f"paged_attention (decode {decode_kernel}, splits {splits or 'auto'})",
+                                 "dtype": str(dtype).split(".")[-1], "block_size": block_size, "rel_err": err,
+                                 "ok": ok, "decode": decode_kernel})
     return rows
 
 
@@ -146,8 +148,8 @@ def time_decode(device: str, smoke: bool) -> dict:
 
 
 def _decode_variants(q, cache, meta, kv_bytes: int, smoke: bool, device: str) -> list[dict]:
-    """The decode kernel alone (no combine) at other tile sizes, warps and pipeline stages: what
-    to tune next. GB/s of K/V read per variant."""
+    """Each decode kernel alone (no combine) at other tiles, warps, pipeline stages and splits:
+    what to tune, and which kernel to make the default. GB/s of K/V read per variant."""
     import triton
 
     from kernels.triton import attention as ta
@@ -155,26 +157,34 @@ def _decode_variants(q, cache, meta, kv_bytes: int, smoke: bool, device: str) ->
     batch, heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = cache.shape
     rep = heads // kv_heads
-    grid_splits = 1
-    acc = torch.empty((batch, heads, grid_splits, head_dim), dtype=torch.float32, device=device)
-    ml = torch.empty((batch, heads, grid_splits, 2), dtype=torch.float32, device=device)
     strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3))
+    shapes = {"sum": {"REP_PAD": triton.next_power_of_2(rep)},
+              "dot": {"GROUP": max(16, triton.next_power_of_2(rep)), **ta._dot_options(q, cache)}}
+    if smoke:
+        variants = [("sum", 32, 4, 1, 1), ("dot", 32, 4, 1, 2)]
+    else:  # (kernel, BLOCK_N, warps, stages, splits)
+        variants = [("sum", 32, 4, 1, 1), ("sum", 16, 4, 4, 1), ("sum", 16, 4, 4, 4),
+                    ("dot", 32, 4, 3, 1), ("dot", 64, 4, 3, 1), ("dot", 128, 4, 3, 1), ("dot", 64, 8, 3, 1),
+                    ("dot", 32, 4, 3, 4), ("dot", 64, 4, 3, 4), ("dot", 64, 4, 3, 8)]
     rows = []
-    variants = [(32, 4, 1)] if smoke else [(32, 4, 1), (32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (16, 4, 4)]
-    for block_n, warps, stages in variants:
+    for kernel, block_n, warps, stages, splits in variants:
+        acc = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=device)
+        ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=device)
+        fn = ta._decode_dot_kernel if kernel == "dot" else ta._decode_kernel
+
         def launch():
-            ta._decode_kernel[(batch, kv_heads, grid_splits)](
+            fn[(batch, kv_heads, splits)](
                 q, cache, acc, ml, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
                 head_dim ** -0.5, q.stride(0), q.stride(1), *strides, meta.decode_block_tables.stride(0),
-                NUM_HEADS=heads, NUM_SPLITS=grid_splits, REP=rep, REP_PAD=triton.next_power_of_2(rep),
-                BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-                BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                NUM_HEADS=heads, NUM_SPLITS=splits, REP=rep, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, **shapes[kernel])
+        row = {"kernel": kernel, "block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits}
         try:
             seconds = _time(launch, device)
-            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                         "ms": seconds * 1e3, "gb_s": kv_bytes / seconds / 1e9})
+            rows.append({**row, "ms": seconds * 1e3, "gb_s": kv_bytes / seconds / 1e9})
         except Exception as e:  # a variant that does not compile (registers, shared memory) is a result too
-            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "error": repr(e)[:300]})
+            rows.append({**row, "error": repr(e)[:300]})
     return rows
 
 
@@ -393,14 +403,15 @@ def main(argv=None) -> int:
 def print_table(results: dict) -> None:
     worst = {}
     for r in results.get("kernels", []):
-        key = (r["kernel"].split(" ")[0], r["dtype"])
+        key = (r["kernel"].split(" ")[0] + (f" (decode {r['decode']})" if "decode" in r else ""), r["dtype"])
         worst[key] = max(worst.get(key, 0.0), r["rel_err"])
     print()
     print("| check | figure | target |")
     print("|---|---|---|")
     for (kernel, dtype), err in sorted(worst.items()):
         target = TOLERANCE[getattr(torch, dtype)]
-        print(f"| {kernel} {dtype} (block 8/16/32) | max relative error {err:.2e} | < {target:g} |")
+        splits = ", splits auto/1/4" if kernel.startswith("paged") else ""
+        print(f"| {kernel} {dtype} (block 8/16/32{splits}) | max relative error {err:.2e} | < {target:g} |")
     decode = results.get("decode")
     if decode:
         print(f"| decode attention, {decode['batch']} x {decode['context']} tokens, bf16 | "
@@ -408,8 +419,8 @@ def print_table(results: dict) -> None:
               f"({decode['copy_gb_s']:.0f} GB/s) | >= 70% |")
         for v in decode.get("variants", []):
             figure = f"{v['gb_s']:.0f} GB/s ({v['ms']:.3f} ms)" if "gb_s" in v else v["error"][:60]
-            print(f"| decode kernel alone, BLOCK_N {v['block_n']}, {v['num_warps']} warps, "
-                  f"{v['num_stages']} stages | {figure} | - |")
+            print(f"| decode kernel {v['kernel']} alone, BLOCK_N {v['block_n']}, {v['num_warps']} warps, "
+                  f"{v['num_stages']} stages, {v['splits']} splits | {figure} | - |")
     swap = results.get("swap")
     if swap:
         print(f"| swap, {swap['bytes'] / 1e6:.0f} MB, page-locked segment, side stream | out "

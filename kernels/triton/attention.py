@@ -22,6 +22,50 @@ BLOCK_N = 32  # context tokens per iteration
 SPLIT_MIN_TOKENS = 512  # a decode split covers at least this much context
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 256  # ~2 waves of an H200's 132 SMs: below it, decodes split their context
+# "sum" is the default: it is the one measured on a GPU so far (13% of an H200's bandwidth at 64 x
+# 4,096 tokens, benchmarks/gpu/README.md); "dot" is the candidate that check.sh times beside it.
+DECODE_KERNELS = ("sum", "dot")
+# The engine's choice, for comparing the two end to end on a GPU without a code change.
+DEFAULT_DECODE_KERNEL = os.environ.get("PAGEDSERVE_TRITON_DECODE", "sum")
+if DEFAULT_DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"PAGEDSERVE_TRITON_DECODE must be one of {', '.join(DECODE_KERNELS)}; "
+                     f"got {DEFAULT_DECODE_KERNEL!r}")
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, table_ptr, start, end, kv_head, d, d_ok, stride_block, stride_kv, stride_slot,
+                  stride_head, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V `[BLOCK_N, D_PAD]` of positions start.. of one sequence (`table_ptr`: its block
+    table row), each token's block looked up in the table; positions >= end read as zeros."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    k_ptrs = (cache_ptr + block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot
+              + kv_head * stride_head + d[None, :])
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)
+    return k, v, n, n_ok
+
+
+@triton.jit
+def _split_range(ctx, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The context positions [lo, hi) of a decode's split: equal chunks, whole tiles each."""
+    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * chunk
+    return lo, tl.minimum(ctx, lo + chunk)
+
+
+@triton.jit
+def _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
+                    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's unnormalized output and (max, sum) for the combine: part_acc [decodes, heads,
+    splits, HEAD_DIM]; part_ml [decodes, heads, splits, 2]."""
+    slot = (i * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(part_ml_ptr + slot * 2, m_i, mask=r_ok)
+    tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=r_ok)
 
 
 @triton.jit
@@ -53,14 +97,8 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, tables_ptr, query_start_ptr, quer
         acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
         end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # causal: up to the tile's last row
         for start in range(0, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            block = tl.load(tables_ptr + seq * stride_table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-            k_ptrs = (cache_ptr + block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot
-                      + kv_head * stride_head + d[None, :])
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0)
+            k, v, n, n_ok = _load_kv_tile(cache_ptr, tables_ptr + seq * stride_table, start, end, kv_head, d, d_ok,
+                                          stride_block, stride_kv, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
             if DOT_IN_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -90,10 +128,7 @@ def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + i)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
-    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(ctx, lo + chunk)
+    lo, hi = _split_range(ctx, split, NUM_SPLITS, BLOCK_N)
     r = tl.arange(0, REP_PAD)
     r_ok = r < REP
     heads = kv_head * REP + r
@@ -105,14 +140,10 @@ def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows
     l_i = tl.full([REP_PAD], 0.0, tl.float32)
     acc = tl.full([REP_PAD, D_PAD], 0.0, tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(tables_ptr + i * stride_table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        k_ptrs = (cache_ptr + block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_slot
-                  + kv_head * stride_head + d[None, :])
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(k_ptrs + stride_kv, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v, n, n_ok = _load_kv_tile(cache_ptr, tables_ptr + i * stride_table, start, hi, kv_head, d, d_ok,
+                                      stride_block, stride_kv, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
         qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [REP_PAD, BLOCK_N]
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -121,11 +152,54 @@ def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    # part_acc [decodes, heads, splits, HEAD_DIM]; part_ml [decodes, heads, splits, 2]
-    slot = (i * NUM_HEADS + heads) * NUM_SPLITS + split
-    tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-    tl.store(part_ml_ptr + slot * 2, m_i, mask=r_ok)
-    tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=r_ok)
+    _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
+                    NUM_HEADS, NUM_SPLITS, HEAD_DIM)
+
+
+@triton.jit
+def _decode_dot_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows_ptr, context_lens_ptr,
+                       scale, stride_qt, stride_qh, stride_block, stride_kv, stride_slot, stride_head, stride_table,
+                       NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, REP: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """`_decode_kernel`'s contract on the matrix units: the REP query heads of a KV head are the
+    rows of a GROUP-row tile (GROUP >= 16, as `tl.dot` needs; the padding rows are zero and never
+    stored), so q.K^T and p.V are `tl.dot`s over BLOCK_N tokens at a time, whose loads Triton can
+    pipeline, instead of broadcast products held in registers."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + i)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    lo, hi = _split_range(ctx, split, NUM_SPLITS, BLOCK_N)
+    r = tl.arange(0, GROUP)
+    r_ok = r < REP
+    heads = kv_head * REP + r
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([GROUP], float("-inf"), tl.float32)
+    l_i = tl.full([GROUP], 0.0, tl.float32)
+    acc = tl.full([GROUP, D_PAD], 0.0, tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        k, v, n, n_ok = _load_kv_tile(cache_ptr, tables_ptr + i * stride_table, start, hi, kv_head, d, d_ok,
+                                      stride_block, stride_kv, stride_slot, stride_head, BLOCK_SIZE, BLOCK_N)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP, BLOCK_N]
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
+                    NUM_HEADS, NUM_SPLITS, HEAD_DIM)
 
 
 @dataclass
@@ -143,6 +217,7 @@ class TritonMetadata:
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32
     max_decode_context: int
     num_splits: int | None = None  # decodes' split-K factor; None: chosen per launch
+    decode_kernel: str = DEFAULT_DECODE_KERNEL  # "sum" (_decode_kernel) or "dot" (_decode_dot_kernel)
     backend: object = None  # the TritonBackend that built it: model layers call through it
 
 
@@ -196,21 +271,35 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMet
             meta.prefill_context_lens, scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *cache_strides, meta.prefill_block_tables.stride(0),
             REP=rep, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=PREFILL_BLOCK_M,
-            BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            # Triton's CPU interpreter (3.9) computes tl.dot of bf16 operands wrongly: upcast there.
-            DOT_IN_FP32=query.dtype == torch.bfloat16 and _INTERPRETED)
+            BLOCK_N=BLOCK_N, **_dot_options(query, kv_cache))
     num_decodes = meta.decode_rows.shape[0]
     if num_decodes:
         splits = meta.num_splits or choose_num_splits(num_decodes, num_kv_heads, meta.max_decode_context)
         part_acc = torch.empty((num_decodes, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((num_decodes, num_heads, splits, 2), dtype=torch.float32, device=query.device)
-        _decode_kernel[(num_decodes, num_kv_heads, splits)](
-            query, kv_cache, part_acc, part_ml, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
-            scale, query.stride(0), query.stride(1), *cache_strides, meta.decode_block_tables.stride(0),
-            NUM_HEADS=num_heads, NUM_SPLITS=splits, REP=rep, REP_PAD=triton.next_power_of_2(rep),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=BLOCK_N)
+        args = (query, kv_cache, part_acc, part_ml, meta.decode_block_tables, meta.decode_rows,
+                meta.decode_context_lens, scale, query.stride(0), query.stride(1), *cache_strides,
+                meta.decode_block_tables.stride(0))
+        grid = (num_decodes, num_kv_heads, splits)
+        if meta.decode_kernel == "dot":
+            _decode_dot_kernel[grid](*args, NUM_HEADS=num_heads, NUM_SPLITS=splits, REP=rep,
+                                     GROUP=max(16, triton.next_power_of_2(rep)), BLOCK_SIZE=block_size,
+                                     HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=BLOCK_N, **_dot_options(query, kv_cache))
+        else:
+            _decode_kernel[grid](*args, NUM_HEADS=num_heads, NUM_SPLITS=splits, REP=rep,
+                                 REP_PAD=triton.next_power_of_2(rep), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                                 D_PAD=d_pad, BLOCK_N=BLOCK_N)
         out[meta.decode_rows] = combine_splits(part_acc, part_ml).to(query.dtype)
     return out
+
+
+def _dot_options(query: torch.Tensor, kv_cache: torch.Tensor) -> dict:
+    """How the kernels' `tl.dot`s run: fp32 operands exactly ("ieee", not tf32); in fp32 when the
+    query and cache dtypes differ, and under Triton's CPU interpreter (3.9) for bf16, whose tl.dot
+    of bf16 operands it computes wrongly."""
+    fp32 = query.dtype != kv_cache.dtype or (query.dtype == torch.bfloat16 and _INTERPRETED)
+    return {"DOT_PRECISION": "ieee" if torch.float32 in (query.dtype, kv_cache.dtype) or fp32 else "tf32",
+            "DOT_IN_FP32": fp32}
 
 
 def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor) -> torch.Tensor:
