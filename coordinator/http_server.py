@@ -2,8 +2,9 @@
 ServerState: the same checks, admission, abort, auth and status, and the same Prometheus registry.
 
 Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's
-Responses API: responses_api, responses_background), POST /tokenize, POST /detokenize,
+POST /v1/responses, GET (also streamed again) and DELETE /v1/responses/{id}, POST
+/v1/responses/{id}/cancel (OpenAI's Responses API: responses_api, responses_background),
+POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache (these need the bearer token when the server has a key), and the open
 ones: GET /health (200 serving, else 503; GET or POST /ping the same), GET /version, GET /metrics.
 Errors use OpenAI's envelope (openai_errors).
@@ -147,8 +148,18 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
                               typed_events=True)
 
     @app.get("/v1/responses/{response_id}", dependencies=guarded)
-    async def get_response(response_id: str):
-        return stored_response(response_id)[0]
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        response = stored_response(response_id)[0]
+        if not stream:
+            if starting_after is not None:
+                raise ApiError("invalid_argument", "starting_after applies only with stream=true", "starting_after")
+            return response
+        try:  # a streamed background response's events again, after starting_after, then live
+            replay = responses.background.replay(response_id, -1 if starting_after is None else starting_after)
+        except ValueError as e:  # the message starts with the field it is about
+            raise ApiError("invalid_argument", str(e), str(e).split(" ")[0].rstrip(":")) from None
+        return StreamingResponse(sse(replay, typed_events=True), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(replay.aclose))
 
     @app.post("/v1/responses/{response_id}/cancel", dependencies=guarded)
     async def cancel_response(response_id: str):
@@ -162,6 +173,7 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     async def delete_response(response_id: str):
         stored_response(response_id)
         await responses.background.cancel(response_id)  # a response still running stops first
+        responses.background.forget(response_id)
         responses.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -15,7 +15,8 @@ stream's typed events. No I/O here beyond the engine; http_server writes the byt
   `reasoning.effort` (the chat template's `reasoning_effort` variable, as vLLM passes it) map to
   their chat counterparts; options this server cannot honour are refused, naming the field.
 - `background`: POST answers with the response queued and the reply runs on; GET reads it, POST
-  /v1/responses/{id}/cancel stops it (responses_background).
+  /v1/responses/{id}/cancel stops it; with `stream` too, POST streams its events and GET
+  ?stream=true&starting_after=N streams them again from there (responses_background).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat, usage
 from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
-from coordinator.responses_background import BackgroundResponses
+from coordinator.responses_background import BackgroundResponses, EventLog, Replay
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -86,9 +87,6 @@ class ResponsesRequest(_Body):
                 raise ValueError(f"{name} is not supported by this server; leave it unset")
         if self.background and self.store is False:
             raise ValueError("background requires store=true: a background response is read back from the store")
-        if self.background and self.stream:
-            raise ValueError("background with stream=true is not supported by this server; send background "
-                             "alone and poll GET /v1/responses/{id}, or stream without background")
         if self.truncation not in (None, "disabled"):
             raise ValueError(f"truncation must be \"disabled\" (a prompt too long for the model is refused); "
                              f"got {self.truncation!r}")
@@ -421,12 +419,21 @@ class ResponsesServing:
             engine.check_accepting(head["id"])
             await engine.check_input(None, None, params, req.priority or 0, conversation, chat.chat_options(), field)
 
-            async def reply(started) -> dict:
-                group, fmt = await admit()
-                started()
-                return await self._whole(group, fmt, head, req, conversation, engine)
+            events = EventLog() if req.stream else None
 
-            return self.background.start(head, reply)
+            async def reply(started) -> None:
+                group, fmt = await admit()
+                running = started()
+                if events is None:
+                    await self._whole(group, fmt, head, req, conversation, engine)
+                    return
+                events.append({"type": "response.in_progress", "response": running})
+                async for event in self._events(group, fmt, OutputItems(), head, req, conversation, engine,
+                                                announced=True):
+                    events.append(event)
+
+            queued = self.background.start(head, reply, events)
+            return queued if events is None else Replay(events, -1)
         group, fmt = await admit()
         if req.stream:
             return ChunkStream(group, self._events(group, fmt, OutputItems(), head, req, conversation, engine))
@@ -450,12 +457,16 @@ class ResponsesServing:
         return self._finish(head, items, final, choice["finish_reason"], conversation, req, engine)
 
     async def _events(self, group: RequestGroup, fmt: ChatFormat, items: OutputItems, head: dict,
-                      req: ResponsesRequest, conversation: list[dict], engine: AsyncEngine) -> AsyncIterator[dict]:
+                      req: ResponsesRequest, conversation: list[dict], engine: AsyncEngine,
+                      announced: bool = False) -> AsyncIterator[dict]:
+        """The stream's events; `announced`: response.created and .in_progress were sent already
+        (a background response's, when it was queued and when it started)."""
         pending = {**head, "status": "in_progress", "output": [], "usage": None, "error": None,
                    "incomplete_details": None}
         try:
-            yield items.event("response.created", response=pending)
-            yield items.event("response.in_progress", response=pending)
+            if not announced:
+                yield items.event("response.created", response=pending)
+                yield items.event("response.in_progress", response=pending)
             async for _, out in group.outputs():
                 for choice in fmt.deltas(out):
                     for event in items.add(choice["delta"], (choice["logprobs"] or {}).get("content")):

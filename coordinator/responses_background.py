@@ -5,39 +5,104 @@ its state (`queued`, `in_progress`, then `completed`, `incomplete`, `failed` or 
 POST /v1/responses/{id}/cancel stops it (its engine request is aborted and its blocks freed)
 and answers with the final object, the same on every later call. A background response is
 always stored: there is nothing else to read it back from.
+
+With `stream: true` as well, the reply's events go to an EventLog as the task makes them, and the
+POST's stream follows that log: a client that drops the stream loses nothing (the reply runs on)
+and picks it up again with GET /v1/responses/{id}?stream=true&starting_after=N, which replays the
+events after sequence number N and then follows the live ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
 
+class EventLog:
+    """Every event of one streamed background response, in order; each event's sequence_number is
+    its index here. Readers follow it from any point while the task appends."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.done = False
+        self._grown = asyncio.Event()
+
+    def append(self, event: dict) -> None:
+        self.events.append({**event, "sequence_number": len(self.events)})
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()  # the next wait is for the next change
+
+    async def follow(self, after: int) -> AsyncIterator[dict]:
+        """The events after sequence number `after`, then each new one until the log closes."""
+        i = after + 1
+        while True:
+            grown = self._grown  # taken before the checks: an append after them sets this one
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await grown.wait()
+
+
+class Replay:
+    """One reader of an EventLog, as the HTTP layer streams it: closing it (the client left)
+    stops the reading only, never the reply."""
+
+    def __init__(self, events: EventLog, after: int) -> None:
+        self._events = events.follow(after)
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
 class BackgroundResponses:
-    """The running background responses of one server, by response id, over its ResponseStore."""
+    """The running background responses of one server, by response id, over its ResponseStore,
+    and the event logs of the streamed ones (as many as the store keeps responses)."""
 
     def __init__(self, store) -> None:
         self.store = store
         self._tasks: dict[str, asyncio.Task] = {}
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
-    def start(self, head: dict, work: Callable[[Callable[[], None]], Awaitable[object]]) -> dict:
+    def start(self, head: dict, work: Callable[[Callable[[], dict]], Awaitable[object]],
+              events: EventLog | None = None) -> dict:
         """Store `head` as a queued response and run `work(started)` for it in the background:
-        `work` calls `started()` once the engine has admitted the request and stores the finished
-        response itself. Returns the queued response as POST answers it."""
+        `work` calls `started()` once the engine has admitted the request (it returns the stored
+        response, now in progress) and stores the finished response itself; a streamed one also
+        appends its events to `events`. Returns the queued response as POST answers it."""
         queued = {**head, "status": "queued", "output": [], "usage": None, "error": None,
                   "incomplete_details": None, "completed_at": None}
         self.store.put(queued, None)
-        task = asyncio.ensure_future(self._run(queued, work))
+        if events is not None:
+            self._logs[head["id"]] = events
+            while len(self._logs) > self.store.capacity:
+                self._logs.popitem(last=False)
+            events.append({"type": "response.created", "response": dict(queued)})
+            events.append({"type": "response.queued", "response": dict(queued)})
+        task = asyncio.ensure_future(self._run(queued, work, events))
         self._tasks[head["id"]] = task
         task.add_done_callback(lambda _, response_id=head["id"]: self._tasks.pop(response_id, None))
         return dict(queued)  # a copy: the stored one changes as the reply runs
 
-    async def _run(self, queued: dict, work) -> None:
-        def started() -> None:
+    async def _run(self, queued: dict, work, events: EventLog | None) -> None:
+        def started() -> dict:
             queued["status"] = "in_progress"
+            return dict(queued)
 
         try:
             await work(started)
@@ -46,7 +111,27 @@ class BackgroundResponses:
         except Exception as e:  # noqa: BLE001 (any failure is the response's, reported in it)
             code = "invalid_prompt" if isinstance(e, ValueError) else "server_error"
             log.warning("background response %s failed: %r", queued["id"], e)
-            self.store.put({**queued, "status": "failed", "error": {"code": code, "message": str(e)}}, None)
+            failed = {**queued, "status": "failed", "error": {"code": code, "message": str(e)}}
+            self.store.put(failed, None)
+            if events is not None:
+                events.append({"type": "response.failed", "response": failed})
+        finally:
+            if events is not None:
+                events.close()
+
+    def replay(self, response_id: str, starting_after: int) -> Replay:
+        """A reader of a streamed background response's events after `starting_after`; ValueError
+        naming the field for any other response."""
+        events = self._logs.get(response_id)
+        if events is None:
+            raise ValueError(f"stream: {response_id!r} was not created with background=true and stream=true, "
+                             "the only responses whose events are kept to stream again")
+        if starting_after < -1:
+            raise ValueError(f"starting_after must be >= -1 (a sequence number); got {starting_after}")
+        return Replay(events, starting_after)
+
+    def forget(self, response_id: str) -> None:
+        self._logs.pop(response_id, None)
 
     async def cancel(self, response_id: str) -> None:
         """Stop the response if it still runs, and wait until its cancelled state is stored (a

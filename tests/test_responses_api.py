@@ -182,7 +182,6 @@ def test_text_format_json_schema_and_logprobs(client, server):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
@@ -257,6 +256,62 @@ def test_a_background_request_is_checked_before_it_is_queued(client, server):
     with pytest.raises(openai.BadRequestError, match="max_output_tokens") as info:
         client.responses.create(model=server.model, input="x", max_output_tokens=5000, background=True)
     assert info.value.body["param"] == "max_output_tokens"
+
+
+def test_a_streamed_background_response_survives_its_client_and_streams_again(client, server):
+    foreground = client.responses.create(model=server.model, input="Hello there", max_output_tokens=8, **GREEDY)
+    events = list(client.responses.create(model=server.model, input="Hello there", max_output_tokens=8,
+                                          background=True, stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[2].response.status == "in_progress"
+    assert kinds[-1] == "response.incomplete" and events[-1].response.output_text == foreground.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    response_id = events[0].response.id
+    assert client.responses.retrieve(response_id).output_text == foreground.output_text
+    # streamed again from any point: the same events, from the one after starting_after
+    again = list(client.responses.retrieve(response_id, stream=True, starting_after=4))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[5:]]
+    assert len(list(client.responses.retrieve(response_id, stream=True))) == len(events)
+
+    # the client leaves after the first words: the reply runs on to its end, and a new stream
+    # picks it up where the client left
+    stream = client.responses.create(model=server.model, input="Go on", max_output_tokens=120, background=True,
+                                     stream=True, **GREEDY)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    rest = list(client.responses.retrieve(seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.usage.output_tokens == 120
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert text == rest[-1].response.output_text == _settled(client, seen[0].response.id).output_text
+
+
+def test_only_a_streamed_background_response_streams_again(client, server):
+    import urllib.error
+    import urllib.request
+
+    plain = client.responses.create(model=server.model, input="x", max_output_tokens=2, **GREEDY)
+    for query, param in [("stream=true", "stream"), ("starting_after=3", "starting_after")]:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"{server.url}/responses/{plain.id}?{query}", timeout=30)
+        assert info.value.code == 400 and json.loads(info.value.read())["error"]["param"] == param
+    # a cancelled one's stream ends where it was cut; its events stay readable
+    running = client.responses.create(model=server.model, input="Go on", max_output_tokens=900, background=True,
+                                      stream=True, **GREEDY)
+    first = next(iter(running))
+    running.close()
+    assert client.responses.cancel(first.response.id).status == "cancelled"
+    replayed = list(client.responses.retrieve(first.response.id, stream=True))
+    assert replayed[0].type == "response.created" and replayed[-1].type not in ("response.completed",
+                                                                               "response.incomplete")
+    with pytest.raises(openai.BadRequestError, match="starting_after") as info:
+        list(client.responses.retrieve(first.response.id, stream=True, starting_after=-2))
+    assert info.value.body["param"] == "starting_after"
+    _assert_idle(server)
 
 
 def _assert_idle(server):
