@@ -408,21 +408,23 @@ class ResponsesServing:
                 "model": self.model_name, **req.echo()}
         field = "max_output_tokens" if req.max_output_tokens is not None else None
 
-        async def admit() -> tuple[RequestGroup, ChatFormat]:
-            group = await RequestGroup.admit(engine, [(None, None, conversation)], params, head["id"],
-                                             req.priority or 0, self.request_timeout, chat.chat_options(), field)
+        async def admit(token_ids: list[int] | None = None) -> tuple[RequestGroup, ChatFormat]:
+            """`token_ids`: the conversation already checked and rendered (a background one's)."""
+            prompt = (None, None, conversation) if token_ids is None else (None, token_ids, None)
+            group = await RequestGroup.admit(engine, [prompt], params, head["id"], req.priority or 0,
+                                             self.request_timeout, chat.chat_options(), field)
             return group, ChatFormat(1, params.logprobs, tools, self.reasoning,
                                      reasoning.starts_inside(params, group.prompt_token_ids[0]))
 
         if req.background:
             # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.
             engine.check_accepting(head["id"])
-            await engine.check_input(None, None, params, req.priority or 0, conversation, chat.chat_options(), field)
-
+            token_ids = await engine.check_input(None, None, params, req.priority or 0, conversation,
+                                                 chat.chat_options(), field)
             events = EventLog() if req.stream else None
 
             async def reply(started) -> None:
-                group, fmt = await admit()
+                group, fmt = await admit(token_ids)  # rendered and tokenized once, above
                 running = started()
                 if events is None:
                     await self._whole(group, fmt, head, req, conversation, engine)
