@@ -31,7 +31,9 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab, rope theta)
     "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 100000.0),
     "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
     "tiny": (64, 128, 2, 4, 2, 512, 10000.0),
+    "llama-3-8b-2-layers": (1024, 3584, 2, 8, 2, 32000, 500000.0),  # the 8B's head layout, small enough for fp32
 }
+UNTIED = {"llama-3-8b", "llama-3-8b-2-layers"}  # an LM head of its own, as Llama-3-8B has
 
 
 def parse_args(argv=None):
@@ -40,8 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="kernels and decode timing only")
     p.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shaped end-to-end run")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script")
-    p.add_argument("--sections", default="kernels,decode,swap,e2e",
-                   help="comma-separated subset of kernels,decode,swap,e2e (to rerun what failed)")
+    p.add_argument("--sections", default="kernels,decode,swap,exact,e2e",
+                   help="comma-separated subset of kernels,decode,swap,exact,e2e (to rerun what failed)")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="seconds after which no further end-to-end shape starts (0: none)")
     return p.parse_args(argv)
@@ -237,7 +239,7 @@ def make_random_model(shape: str, folder: Path, dtype: torch.dtype, device: str)
     hidden, inter, layers, heads, kv_heads, vocab, theta = SHAPES[shape]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                         rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=shape != "llama-3-8b",
+                         rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=shape not in UNTIED,
                          bos_token_id=1, eos_token_id=2, initializer_range=0.02)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -329,6 +331,35 @@ def end_to_end(shape: str, device: str, smoke: bool, errors: dict) -> dict:
     return result
 
 
+def exactness(device: str, smoke: bool) -> dict:
+    """Greedy outputs token for token against transformers in fp32 on the same device (the GPU's
+    matmuls without TF32, the kernels' dots in IEEE fp32): random bf16 weights leave near-ties
+    that rounding flips, fp32 ones far fewer. The 8B's head layout (4 query heads per KV head,
+    head dim 128, untied head, RoPE theta 5e5) on 2 layers, and SmolLM2's shape."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.hf_baseline import run_transformers
+
+    shapes = ["tiny"] if smoke else ["llama-3-8b-2-layers", "smollm2-135m"]
+    results = {}
+    for shape in shapes:
+        requests = workload(SHAPES[shape][5], 16, (64, 200), (32, 32), seed=1)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_random_model(shape, Path(tmp), torch.float32, device)
+            engine = {"device": device, "dtype": "float32", "max_num_seqs": 16}
+            if not smoke:
+                engine["gpu_memory_utilization"] = 0.5
+            with LLM(path, **engine) as llm:
+                outs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests],
+                                    [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+                                     for r in requests], use_tqdm=False)
+            gc.collect()
+            hf = run_transformers(path, requests, 16, torch.float32, device)["outputs"]
+        ours = [o.outputs[0].token_ids for o in outs]
+        results[shape] = {"requests": len(requests), "identical": sum(a == b for a, b in zip(ours, hf)),
+                          **_agreement(ours, hf)}
+    return results
+
+
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """How far greedy outputs agree before they part. Random bf16 weights give nearly flat logits,
     where the two engines' different (equally valid) rounding flips near-ties: whole-output
@@ -379,6 +410,8 @@ def main(argv=None) -> int:
         results["decode"] = _section(results, out, "decode", lambda: time_decode(device, args.smoke))
     if "swap" in sections:
         results["swap"] = _section(results, out, "swap", lambda: time_swap(device, args.smoke))
+    if "exact" in sections and not args.quick:
+        results["exact"] = _section(results, out, "exact", lambda: exactness(device, args.smoke))
     if "e2e" in sections and not args.quick:
         shapes = ["tiny"] if args.smoke else ["smollm2-135m"] + ([] if args.skip_8b else ["llama-3-8b"])
         results["end_to_end"] = []
@@ -426,6 +459,10 @@ def print_table(results: dict) -> None:
         print(f"| swap, {swap['bytes'] / 1e6:.0f} MB, page-locked segment, side stream | out "
               f"{swap['swap_out_gb_s']:.1f} GB/s, in {swap['swap_in_gb_s']:.1f} GB/s (pageable copy "
               f"{swap['pageable_copy_gb_s']:.1f}); exact {swap['exact']} | - |")
+    for shape, e in (results.get("exact") or {}).items():
+        print(f"| greedy fp32 vs transformers, {shape}, {e['requests']} x 32 tokens | {e['identical']}/"
+              f"{e['requests']} identical (first token {e['same_first_token']}, shared prefix "
+              f"{e['mean_shared_prefix']:.1f}) | all identical |")
     for e in results.get("end_to_end", []):
         for mode in ("graphs", "eager"):
             if mode in e:
