@@ -111,6 +111,6 @@ def test_the_gpu_checks_script_runs_end_to_end_in_smoke_mode(tmp_path):
     assert details["swap"]["exact"]
     assert details["exact"]["tiny"]["identical"] == details["exact"]["tiny"]["requests"] == 16
     (tiny,) = details["end_to_end"]
-    for mode in ("graphs", "eager"):  # on a CPU both run eagerly: the check's own plumbing
+    for mode in ("graphs", "graphs-dot", "eager"):  # on a CPU all run eagerly: the check's own plumbing
         assert tiny[mode]["identical_greedy_outputs"] == tiny["requests"]
         assert tiny[mode]["same_first_token"] == tiny["requests"]

@@ -267,8 +267,19 @@ def workload(vocab: int, num: int, prompt: tuple[int, int], output: tuple[int, i
             for _ in range(num)]
 
 
-def _run_ours(path: str, requests, device: str, smoke: bool, eager: bool) -> dict:
-    """The workload through `LLM` (CUDA graphs of decode steps unless `eager`): seconds, outputs, stats."""
+def _run_ours(path: str, requests, device: str, smoke: bool, eager: bool, decode_kernel: str) -> dict:
+    """The workload through `LLM` (CUDA graphs of decode steps unless `eager`; the Triton decode
+    kernel `decode_kernel`): seconds, outputs, stats."""
+    from kernels.triton import attention
+
+    saved, attention.DEFAULT_DECODE_KERNEL = attention.DEFAULT_DECODE_KERNEL, decode_kernel
+    try:
+        return _timed_run(path, requests, device, smoke, eager)
+    finally:
+        attention.DEFAULT_DECODE_KERNEL = saved
+
+
+def _timed_run(path: str, requests, device: str, smoke: bool, eager: bool) -> dict:
     from pagedserve import LLM, SamplingParams
 
     engine = {"device": device, "dtype": "float32" if smoke else "bfloat16", "enforce_eager": eager}
@@ -300,20 +311,23 @@ def end_to_end(shape: str, device: str, smoke: bool, errors: dict) -> dict:
     num, prompt, output, batch = (6, (8, 24), (4, 8), 3) if smoke else (256, (128, 512), (64, 256), 32)
     requests = workload(SHAPES[shape][5], num, prompt, output)
     useful = sum(r.max_tokens for r in requests)
-    modes = {"graphs": False, "eager": True} if shape != "llama-3-8b" else {"graphs": False}
+    # (eager, decode kernel): graphs with each decode kernel; eager too on the small shape
+    modes = {"graphs": (False, "sum"), "graphs-dot": (False, "dot")}
+    if shape != "llama-3-8b":
+        modes["eager"] = (True, "sum")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         made = time.perf_counter()
         path = make_random_model(shape, Path(tmp), dtype, device)
         made = time.perf_counter() - made
-        for mode, eager in modes.items():
+        for mode, (eager, decode_kernel) in modes.items():
             try:
-                runs[mode] = _run_ours(path, requests, device, smoke, eager)
+                runs[mode] = _run_ours(path, requests, device, smoke, eager, decode_kernel)
             except Exception:
                 errors[f"e2e {shape} {mode}"] = traceback.format_exc()
                 print(errors[f"e2e {shape} {mode}"], flush=True)
                 if mode == "graphs" and "eager" not in modes:
-                    runs["eager"] = _run_ours(path, requests, device, smoke, True)
+                    runs["eager"] = _run_ours(path, requests, device, smoke, True, "sum")
         hf = run_transformers(path, requests, batch, dtype, device)
     result = {"shape": shape, "requests": num, "output_tokens": useful, "model_write_s": made,
               "transformers_s": hf["seconds"], "transformers_tok_s": hf["output_token_throughput"], "hf_batch": batch}
@@ -464,7 +478,7 @@ def print_table(results: dict) -> None:
               f"{e['requests']} identical (first token {e['same_first_token']}, shared prefix "
               f"{e['mean_shared_prefix']:.1f}) | all identical |")
     for e in results.get("end_to_end", []):
-        for mode in ("graphs", "eager"):
+        for mode in ("graphs", "graphs-dot", "eager"):
             if mode in e:
                 m = e[mode]
                 print(f"| {e['shape']} end to end, {e['requests']} req, {mode} | {m['tok_s']:.0f} vs "

@@ -25,7 +25,8 @@ TARGET_PROGRAMS = 256  # ~2 waves of an H200's 132 SMs: below it, decodes split 
 # "sum" is the default: it is the one measured on a GPU so far (13% of an H200's bandwidth at 64 x
 # 4,096 tokens, benchmarks/gpu/README.md); "dot" is the candidate that check.sh times beside it.
 DECODE_KERNELS = ("sum", "dot")
-# The engine's choice, for comparing the two end to end on a GPU without a code change.
+# The engine's choice, for comparing the two end to end on a GPU without a code change (read at
+# each launch whose metadata names none: benchmarks/gpu/check.py sets it between engines).
 DEFAULT_DECODE_KERNEL = os.environ.get("PAGEDSERVE_TRITON_DECODE", "sum")
 if DEFAULT_DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"PAGEDSERVE_TRITON_DECODE must be one of {', '.join(DECODE_KERNELS)}; "
@@ -217,7 +218,7 @@ class TritonMetadata:
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32
     max_decode_context: int
     num_splits: int | None = None  # decodes' split-K factor; None: chosen per launch
-    decode_kernel: str = DEFAULT_DECODE_KERNEL  # "sum" (_decode_kernel) or "dot" (_decode_dot_kernel)
+    decode_kernel: str | None = None  # "sum" (_decode_kernel), "dot" (_decode_dot_kernel); None: the default
     backend: object = None  # the TritonBackend that built it: model layers call through it
 
 
@@ -281,7 +282,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TritonMet
                 meta.decode_context_lens, scale, query.stride(0), query.stride(1), *cache_strides,
                 meta.decode_block_tables.stride(0))
         grid = (num_decodes, num_kv_heads, splits)
-        if meta.decode_kernel == "dot":
+        if (meta.decode_kernel or DEFAULT_DECODE_KERNEL) == "dot":
             _decode_dot_kernel[grid](*args, NUM_HEADS=num_heads, NUM_SPLITS=splits, REP=rep,
                                      GROUP=max(16, triton.next_power_of_2(rep)), BLOCK_SIZE=block_size,
                                      HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_N=BLOCK_N, **_dot_options(query, kv_cache))
