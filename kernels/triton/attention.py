@@ -50,12 +50,29 @@ def _load_kv_tile(cache_ptr, table_ptr, start, end, kv_head, d, d_ok, stride_blo
 
 
 @triton.jit
-def _split_range(ctx, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The context positions [lo, hi) of a decode's split: equal chunks, whole tiles each."""
+def _decode_program(q_ptr, rows_ptr, context_lens_ptr, stride_qt, stride_qh, NUM_SPLITS: tl.constexpr,
+                    REP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """What a decode program (one per decode, KV head and split) works on: its context positions
+    [lo, hi), equal chunks of whole tiles per split, and the query rows `[ROWS, D_PAD]` of the REP
+    heads that share its KV head (rows past REP zero, as are columns past HEAD_DIM)."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + i)
+    row = tl.load(rows_ptr + i).to(tl.int64)
     per_split = (ctx + NUM_SPLITS - 1) // NUM_SPLITS
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = split * chunk
-    return lo, tl.minimum(ctx, lo + chunk)
+    hi = tl.minimum(ctx, lo + chunk)
+    r = tl.arange(0, ROWS)
+    r_ok = r < REP
+    heads = kv_head * REP + r
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    return i, kv_head, split, lo, hi, heads, r_ok, d, d_ok, q
 
 
 @triton.jit
@@ -124,19 +141,9 @@ def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (decode, KV head, split): the REP query heads sharing the KV head read its
     context once. Writes its unnormalized output and (max, sum) for the combine."""
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + i)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    lo, hi = _split_range(ctx, split, NUM_SPLITS, BLOCK_N)
-    r = tl.arange(0, REP_PAD)
-    r_ok = r < REP
-    heads = kv_head * REP + r
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    i, kv_head, split, lo, hi, heads, r_ok, d, d_ok, q = _decode_program(
+        q_ptr, rows_ptr, context_lens_ptr, stride_qt, stride_qh, NUM_SPLITS, REP, REP_PAD, HEAD_DIM, D_PAD, BLOCK_N)
+    q = q.to(tl.float32)
     m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([REP_PAD], 0.0, tl.float32)
     acc = tl.full([REP_PAD, D_PAD], 0.0, tl.float32)
@@ -167,19 +174,8 @@ def _decode_dot_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, 
     rows of a GROUP-row tile (GROUP >= 16, as `tl.dot` needs; the padding rows are zero and never
     stored), so q.K^T and p.V are `tl.dot`s over BLOCK_N tokens at a time, whose loads Triton can
     pipeline, instead of broadcast products held in registers."""
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + i)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    lo, hi = _split_range(ctx, split, NUM_SPLITS, BLOCK_N)
-    r = tl.arange(0, GROUP)
-    r_ok = r < REP
-    heads = kv_head * REP + r
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    i, kv_head, split, lo, hi, heads, r_ok, d, d_ok, q = _decode_program(
+        q_ptr, rows_ptr, context_lens_ptr, stride_qt, stride_qh, NUM_SPLITS, REP, GROUP, HEAD_DIM, D_PAD, BLOCK_N)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     m_i = tl.full([GROUP], float("-inf"), tl.float32)
