@@ -3,7 +3,8 @@ ServerState: the same checks, admission, abort, auth and status, and the same Pr
 
 Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET (also streamed again) and DELETE /v1/responses/{id}, POST
-/v1/responses/{id}/cancel (OpenAI's Responses API: responses_api, responses_background),
+/v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items (OpenAI's Responses API:
+responses_api, responses_background), /v1/conversations and their items (conversations),
 POST /tokenize, POST /detokenize,
 POST /reset_prefix_cache (these need the bearer token when the server has a key), and the open
 ones: GET /health (200 serving, else 503; GET or POST /ping the same), GET /version, GET /metrics.
@@ -33,10 +34,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator.conversations import (Conversation, ConversationCreateRequest, ConversationUpdateRequest,
+                                       ItemsCreateRequest, check_metadata, checked_items)
 from coordinator.openai_errors import ApiError, error_body, error_response, param_of, validation_message
 from coordinator.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          TokenizeRequest)
 from coordinator.openai_serving import OpenAIServing
+from coordinator.response_items import InvalidField, item_page
 from coordinator.responses_api import ResponsesRequest, ResponsesServing
 from coordinator.server_state import ServerState
 
@@ -57,11 +61,16 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     names = list(served_model_names or [model_name])
     serving = OpenAIServing(names[0], state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
     responses = ResponsesServing(names[0], state.request_timeout, tool_call_parser, serving.reasoning)
+    conversations = responses.conversations
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return error_response(e.kind, e.message, e.param)
+
+    @app.exception_handler(InvalidField)
+    async def _invalid_field(request: Request, e: InvalidField):
+        return error_response("invalid_argument", str(e), e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, e: RequestValidationError):
@@ -137,14 +146,20 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
 
     @app.post("/v1/responses", dependencies=guarded)
     async def create_response(body: ResponsesRequest, request: Request):
-        history = []
-        if body.previous_response_id is not None:
+        history, conversation = [], None
+        if body.conversation is not None:
+            try:
+                conversation = stored_conversation(body.conversation_id(), "conversation")
+            except ValueError as e:
+                raise ApiError("invalid_argument", str(e), "conversation") from None
+            history = conversation.chat_messages()
+        elif body.previous_response_id is not None:
             previous, history = stored_response(body.previous_response_id, "previous_response_id")
             if history is None:  # a background response still running, or one that failed or was cancelled
                 raise ApiError("invalid_argument", f"previous_response_id {body.previous_response_id!r} is "
                                f"{previous['status']}: only a completed or incomplete response can be continued",
                                "previous_response_id")
-        return await generate(request, body, lambda engine, req: responses.create(engine, req, history),
+        return await generate(request, body, lambda engine, req: responses.create(engine, req, history, conversation),
                               typed_events=True)
 
     @app.get("/v1/responses/{response_id}", dependencies=guarded)
@@ -176,6 +191,64 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
         responses.background.forget(response_id)
         responses.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=guarded)
+    async def response_input_items(response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"):
+        stored_response(response_id)
+        return item_page(responses.store.input_items(response_id), after, limit, order)
+
+    # OpenAI's Conversations API: a conversation's items are the history of every response naming it.
+    @app.post("/v1/conversations", dependencies=guarded)
+    async def create_conversation(body: ConversationCreateRequest):
+        return conversations.create(body.items, body.metadata).object()
+
+    @app.get("/v1/conversations/{conversation_id}", dependencies=guarded)
+    async def get_conversation(conversation_id: str):
+        return stored_conversation(conversation_id).object()
+
+    @app.post("/v1/conversations/{conversation_id}", dependencies=guarded)
+    async def update_conversation(conversation_id: str, body: ConversationUpdateRequest):
+        conversation = stored_conversation(conversation_id)
+        conversation.metadata = check_metadata(body.metadata)
+        return conversation.object()
+
+    @app.delete("/v1/conversations/{conversation_id}", dependencies=guarded)
+    async def delete_conversation(conversation_id: str):
+        stored_conversation(conversation_id)
+        conversations.delete(conversation_id)
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @app.post("/v1/conversations/{conversation_id}/items", dependencies=guarded)
+    async def add_conversation_items(conversation_id: str, body: ItemsCreateRequest):
+        conversation = stored_conversation(conversation_id)
+        added = conversation.add(checked_items(body.items))
+        return item_page(added, None, max(len(added), 1), "asc")
+
+    @app.get("/v1/conversations/{conversation_id}/items", dependencies=guarded)
+    async def list_conversation_items(conversation_id: str, after: str | None = None, limit: int = 20,
+                                      order: str = "desc"):
+        return item_page(list(stored_conversation(conversation_id).items.values()), after, limit, order)
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}", dependencies=guarded)
+    async def get_conversation_item(conversation_id: str, item_id: str):
+        item = stored_conversation(conversation_id).item(item_id)
+        if item is None:
+            raise ApiError("not_found", f"item_id {item_id!r} names no item of {conversation_id!r}", "item_id")
+        return item
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}", dependencies=guarded)
+    async def delete_conversation_item(conversation_id: str, item_id: str):
+        conversation = stored_conversation(conversation_id)
+        if conversation.items.pop(item_id, None) is None:
+            raise ApiError("not_found", f"item_id {item_id!r} names no item of {conversation_id!r}", "item_id")
+        return conversation.object()
+
+    def stored_conversation(conversation_id: str, param: str = "conversation_id") -> Conversation:
+        conversation = conversations.get(conversation_id)
+        if conversation is None:
+            raise ApiError("not_found", f"{param} {conversation_id!r} names no conversation (a deleted one, or one "
+                           f"of the least recently used beyond the {conversations.capacity} kept, is gone)", param)
+        return conversation
 
     def stored_response(response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
         stored = responses.store.get(response_id)

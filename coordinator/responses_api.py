@@ -11,6 +11,8 @@ stream's typed events. No I/O here beyond the engine; http_server writes the byt
 - `previous_response_id`: the conversation so far (its input and its output) comes first; a
   response is kept for this (and for GET) unless the request says `store: false`, in memory,
   the most recent `ResponseStore.capacity` of them. `instructions` apply to one response only.
+- `conversation`: a conversation's items come first instead, and the response's input and output
+  items join it when the reply finishes (conversations).
 - `tools` (function tools), `tool_choice`, `text.format` (json_object, json_schema) and
   `reasoning.effort` (the chat template's `reasoning_effort` variable, as vLLM passes it) map to
   their chat counterparts; options this server cannot honour are refused, naming the field.
@@ -22,16 +24,19 @@ stream's typed events. No I/O here beyond the engine; http_server writes the byt
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.async_engine import AsyncEngine
+from coordinator.conversations import Conversation, ConversationStore
 from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat, usage
 from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
+from coordinator.response_items import copy_item, input_messages, stored_items
 from coordinator.responses_background import BackgroundResponses, EventLog, Replay
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -62,8 +67,8 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = None  # accepted, unused: every prompt is prefix-cached
     service_tier: str | None = None  # accepted, unused
     background: bool | None = None
+    conversation: str | dict[str, Any] | None = None  # a conversation's id, or {"id": ...}
     # Known, not implemented: refused unless unset
-    conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
     # vLLM's extras (as on the chat endpoint)
@@ -82,9 +87,10 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in ("conversation", "prompt", "max_tool_calls"):
+        for name in ("prompt", "max_tool_calls"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by this server; leave it unset")
+        self.conversation_id()  # ValueError: malformed, or beside previous_response_id
         if self.background and self.store is False:
             raise ValueError("background requires store=true: a background response is read back from the store")
         if self.truncation not in (None, "disabled"):
@@ -97,6 +103,19 @@ class ResponsesRequest(_Body):
             raise ValueError(f"text.{unknown[0]} is not supported by this server; send text.format only")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+
+    def conversation_id(self) -> str | None:
+        """The conversation this response reads and extends; ValueError for a malformed one."""
+        conversation = self.conversation
+        if isinstance(conversation, dict):
+            conversation = conversation.get("id")
+            if not isinstance(conversation, str) or set(self.conversation) != {"id"}:
+                raise ValueError(f'conversation must be a conversation id or {{"id": "conv_..."}}; '
+                                 f"got {self.conversation!r}")
+        if conversation is not None and self.previous_response_id is not None:
+            raise ValueError("conversation cannot be used with previous_response_id: a response continues one "
+                             "or the other")
+        return conversation
 
     @property
     def wants_logprobs(self) -> bool:
@@ -124,9 +143,11 @@ class ResponsesRequest(_Body):
 
     def echo(self) -> dict:
         """The request's settings as a Response object repeats them."""
+        conversation = self.conversation_id()
         return {"background": bool(self.background), "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens,
-                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "metadata": self.metadata or {}, "conversation": conversation and {"id": conversation},
+                "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "previous_response_id": self.previous_response_id,
                 "reasoning": {"effort": (self.reasoning or {}).get("effort"),
                               "summary": (self.reasoning or {}).get("summary")},
@@ -135,60 +156,6 @@ class ResponsesRequest(_Body):
                 "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
                 "tools": self.tools or [], "top_logprobs": self.top_logprobs,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": "disabled", "user": self.user}
-
-
-def input_messages(items: str | list[dict]) -> list[dict]:
-    """`input` as chat messages; ValueError naming the item and field that cannot be one."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        where = f"input[{i}]"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise ValueError(f"{where}.role must be user, system, developer or assistant; got {role!r}")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise ValueError(f"{where}.{key} is required: a string")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant":  # calls of one turn: one message
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise ValueError(f"{where}.call_id is required: a string")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_of(item.get("output"), f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not part of the prompt
-        else:
-            raise ValueError(f"{where}.type {kind!r} is not supported by this server; send message, "
-                             "function_call, function_call_output or reasoning items")
-    if not messages:
-        raise ValueError("input must hold at least one message")
-    return messages
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where} must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}[{j}]: parts of type {kind!r} are not supported; send input_text parts")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -237,22 +204,31 @@ def response_format(text: dict | None) -> dict | None:
 
 class ResponseStore:
     """The most recent stored responses, for GET and `previous_response_id`: each with the chat
-    conversation it continues (its prompt's messages, then its reply as an assistant message)."""
+    conversation it continues (its prompt's messages, then its reply as an assistant message) and
+    its input items as stored (GET /v1/responses/{id}/input_items)."""
 
     capacity = 512
 
     def __init__(self) -> None:
         self._entries: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._inputs: dict[str, list[dict]] = {}
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def put(self, response: dict, conversation: list[dict] | None, inputs: list[dict] | None = None) -> None:
+        """Store `response` (again); `inputs` None keeps the input items stored with it before."""
         self._entries[response["id"]] = (response, conversation)
+        if inputs is not None:
+            self._inputs[response["id"]] = inputs
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self._inputs.pop(self._entries.popitem(last=False)[0], None)
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
         return self._entries.get(response_id)
 
+    def input_items(self, response_id: str) -> list[dict]:
+        return self._inputs.get(response_id, [])
+
     def delete(self, response_id: str) -> bool:
+        self._inputs.pop(response_id, None)
         return self._entries.pop(response_id, None) is not None
 
 
@@ -310,7 +286,7 @@ class OutputItems:
         self.items.append(item)
         self._open = item
         at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        events = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))]
+        events = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy_item(item))]
         item["content"].append(part)
         events.append(self.event("response.content_part.added", **at, part=dict(part)))
         return events
@@ -331,7 +307,7 @@ class OutputItems:
             self.items.append(item)
             self._open = item
             events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                     item=_copy(item)))
+                                     item=copy_item(item)))
         if arguments:
             item["arguments"] += arguments
             events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
@@ -359,7 +335,7 @@ class OutputItems:
                 events.append(self.event("response.output_text.done", **at, text=part["text"],
                                          logprobs=part["logprobs"]))
             events.append(self.event("response.content_part.done", **at, part=dict(part)))
-        events.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
+        events.append(self.event("response.output_item.done", output_index=index, item=copy_item(item)))
         return events
 
     def assistant_message(self) -> dict:
@@ -373,10 +349,6 @@ class OutputItems:
         return message
 
 
-def _copy(item: dict) -> dict:
-    return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
-
-
 def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
     """Chat's usage (openai_responses.usage) under the Responses API's names."""
     counts = usage([final])
@@ -385,10 +357,22 @@ def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": counts["total_tokens"]}
 
 
+@dataclasses.dataclass
+class _Turn:
+    """One response being made: what its reply is finished and stored with."""
+    head: dict  # the Response object's fields known before the reply
+    req: ResponsesRequest
+    messages: list[dict]  # the prompt's chat messages: instructions, history, input
+    inputs: list[dict]  # the request's input items as stored and listed
+    conversation: Conversation | None  # the conversation it reads and extends
+    engine: AsyncEngine
+
+
 class ResponsesServing:
     """/v1/responses over the engine: `create` returns the Response (a dict) or, streamed, a
     ChunkStream of events; ValueError (naming the field) and the engine's refusals come before
-    any event. `history`: the conversation `previous_response_id` continues (`store.get`'s)."""
+    any event. `history`: the chat messages the response continues (a previous response's, from
+    `store.get`, or its conversation's); `conversation`: the Conversation it extends, if any."""
 
     def __init__(self, model_name: str, request_timeout: float | None, tool_call_parser: str | None, reasoning):
         self.model_name = model_name
@@ -397,20 +381,22 @@ class ResponsesServing:
         self.reasoning = reasoning  # the server's ThinkParser, or None
         self.store = ResponseStore()
         self.background = BackgroundResponses(self.store)
+        self.conversations = ConversationStore()
 
-    async def create(self, engine: AsyncEngine, req: ResponsesRequest, history: list[dict]) -> dict | ChunkStream:
+    async def create(self, engine: AsyncEngine, req: ResponsesRequest, history: list[dict],
+                     conversation: Conversation | None = None) -> dict | ChunkStream:
         chat = req.chat_request(history)
         tools = chat.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
         params = reasoning.constrain_after(chat.sampling_params(tools))
-        conversation = chat.conversation()
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo()}
+        turn = _Turn(head, req, chat.conversation(), stored_items(req.input, "input"), conversation, engine)
         field = "max_output_tokens" if req.max_output_tokens is not None else None
 
         async def admit(token_ids: list[int] | None = None) -> tuple[RequestGroup, ChatFormat]:
             """`token_ids`: the conversation already checked and rendered (a background one's)."""
-            prompt = (None, None, conversation) if token_ids is None else (None, token_ids, None)
+            prompt = (None, None, turn.messages) if token_ids is None else (None, token_ids, None)
             group = await RequestGroup.admit(engine, [prompt], params, head["id"], req.priority or 0,
                                              self.request_timeout, chat.chat_options(), field)
             return group, ChatFormat(1, params.logprobs, tools, self.reasoning,
@@ -419,7 +405,7 @@ class ResponsesServing:
         if req.background:
             # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.
             engine.check_accepting(head["id"])
-            token_ids = await engine.check_input(None, None, params, req.priority or 0, conversation,
+            token_ids = await engine.check_input(None, None, params, req.priority or 0, turn.messages,
                                                  chat.chat_options(), field)
             events = EventLog() if req.stream else None
 
@@ -427,22 +413,20 @@ class ResponsesServing:
                 group, fmt = await admit(token_ids)  # rendered and tokenized once, above
                 running = started()
                 if events is None:
-                    await self._whole(group, fmt, head, req, conversation, engine)
+                    await self._whole(group, fmt, turn)
                     return
                 events.append({"type": "response.in_progress", "response": running})
-                async for event in self._events(group, fmt, OutputItems(), head, req, conversation, engine,
-                                                announced=True):
+                async for event in self._events(group, fmt, OutputItems(), turn, announced=True):
                     events.append(event)
 
-            queued = self.background.start(head, reply, events)
+            queued = self.background.start(head, reply, events, turn.inputs)
             return queued if events is None else Replay(events, -1)
         group, fmt = await admit()
         if req.stream:
-            return ChunkStream(group, self._events(group, fmt, OutputItems(), head, req, conversation, engine))
-        return await self._whole(group, fmt, head, req, conversation, engine)
+            return ChunkStream(group, self._events(group, fmt, OutputItems(), turn))
+        return await self._whole(group, fmt, turn)
 
-    async def _whole(self, group: RequestGroup, fmt: ChatFormat, head: dict, req: ResponsesRequest,
-                     conversation: list[dict], engine: AsyncEngine) -> dict:
+    async def _whole(self, group: RequestGroup, fmt: ChatFormat, turn: _Turn) -> dict:
         """The finished Response of an admitted request, not streamed (stored unless store=false)."""
         try:
             (final,) = await group.finals()
@@ -456,14 +440,13 @@ class ResponsesServing:
                    "tool_calls": calls}, (choice["logprobs"] or {}).get("content"))
         items.begin_empty_message()
         items.close(choice["finish_reason"] != "length")
-        return self._finish(head, items, final, choice["finish_reason"], conversation, req, engine)
+        return self._finish(turn, items, final, choice["finish_reason"])
 
-    async def _events(self, group: RequestGroup, fmt: ChatFormat, items: OutputItems, head: dict,
-                      req: ResponsesRequest, conversation: list[dict], engine: AsyncEngine,
+    async def _events(self, group: RequestGroup, fmt: ChatFormat, items: OutputItems, turn: _Turn,
                       announced: bool = False) -> AsyncIterator[dict]:
         """The stream's events; `announced`: response.created and .in_progress were sent already
         (a background response's, when it was queued and when it started)."""
-        pending = {**head, "status": "in_progress", "output": [], "usage": None, "error": None,
+        pending = {**turn.head, "status": "in_progress", "output": [], "usage": None, "error": None,
                    "incomplete_details": None}
         try:
             if not announced:
@@ -476,24 +459,26 @@ class ResponsesServing:
                     if choice["finish_reason"] is not None:
                         for event in items.begin_empty_message() + items.close(choice["finish_reason"] != "length"):
                             yield event
-                        response = self._finish(head, items, out, choice["finish_reason"], conversation, req, engine)
+                        response = self._finish(turn, items, out, choice["finish_reason"])
                         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                         yield items.event(kind, response=response)
         finally:
             group.close()
 
-    def _finish(self, head: dict, items: OutputItems, final: RequestOutput, finish_reason: str, conversation: list[dict],
-                req: ResponsesRequest, engine: AsyncEngine) -> dict:
-        """The Response object of a finished reply (stored unless the request said not to)."""
+    def _finish(self, turn: _Turn, items: OutputItems, final: RequestOutput, finish_reason: str) -> dict:
+        """The Response object of a finished reply (stored unless the request said not to); its
+        input and output items join its conversation, if it has one."""
         complete = finish_reason != "length"
         reasoning = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
-        reasoning_tokens = len(engine.llm_engine.tokenizer.encode(reasoning, add_special_tokens=False)) \
+        reasoning_tokens = len(turn.engine.llm_engine.tokenizer.encode(reasoning, add_special_tokens=False)) \
             if reasoning else 0
-        response = {**head, "status": "completed" if complete else "incomplete", "error": None,
+        response = {**turn.head, "status": "completed" if complete else "incomplete", "error": None,
                     "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-                    "output": [_copy(i) for i in items.items], "usage": _usage(final, reasoning_tokens),
+                    "output": [copy_item(i) for i in items.items], "usage": _usage(final, reasoning_tokens),
                     "completed_at": int(time.time()) if complete else None}
-        if req.store is not False:
-            history = conversation[1:] if req.instructions else conversation  # instructions hold for one turn
-            self.store.put(response, history + [items.assistant_message()])
+        if turn.conversation is not None:
+            turn.conversation.add(turn.inputs + [copy_item(i) for i in items.items])
+        if turn.req.store is not False:
+            history = turn.messages[1:] if turn.req.instructions else turn.messages  # instructions: one turn only
+            self.store.put(response, history + [items.assistant_message()], turn.inputs)
         return response

@@ -80,14 +80,15 @@ class BackgroundResponses:
         self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
     def start(self, head: dict, work: Callable[[Callable[[], dict]], Awaitable[object]],
-              events: EventLog | None = None) -> dict:
+              events: EventLog | None = None, inputs: list[dict] | None = None) -> dict:
         """Store `head` as a queued response and run `work(started)` for it in the background:
         `work` calls `started()` once the engine has admitted the request (it returns the stored
         response, now in progress) and stores the finished response itself; a streamed one also
-        appends its events to `events`. Returns the queued response as POST answers it."""
+        appends its events to `events`; `inputs`: its input items as stored. Returns the queued
+        response as POST answers it."""
         queued = {**head, "status": "queued", "output": [], "usage": None, "error": None,
                   "incomplete_details": None, "completed_at": None}
-        self.store.put(queued, None)
+        self.store.put(queued, None, inputs)
         if events is not None:
             self._logs[head["id"]] = events
             while len(self._logs) > self.store.capacity:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ray
 
@@ -29,6 +30,17 @@ def running_coordinator(config: EngineConfig, env: dict[str, str] | None = None,
     # it stopped, say) would starve every later test's workers in the session's Ray.
     leaked = live_placement_groups() - before
     assert not leaked, f"the server left placement groups behind after its shutdown: {sorted(leaked)}"
+
+
+def assert_idle(actor, timeout: float = 30.0) -> None:
+    """Wait until the served engine runs nothing and holds no KV block; fail if it does not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = ray.get(actor.stats.remote(), timeout=30)
+        if (stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0, stats
 
 
 def live_placement_groups() -> set[str]:

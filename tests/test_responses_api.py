@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from pagedserve.config import EngineConfig
-from tests.serving import running_coordinator
+from tests.serving import assert_idle, running_coordinator
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -247,7 +247,7 @@ def test_a_background_response_is_cancelled_and_frees_its_blocks(client, server)
     with pytest.raises(openai.BadRequestError, match="background") as info:
         client.responses.cancel(plain.id)
     assert info.value.body["param"] == "response_id"
-    _assert_idle(server)
+    assert_idle(server.actor)
     # both stopped mid-reply: either alone would have generated 900 tokens
     assert ray.get(server.actor.stats.remote(), timeout=30)["generation_tokens"] - generated < 900
 
@@ -311,17 +311,7 @@ def test_only_a_streamed_background_response_streams_again(client, server):
     with pytest.raises(openai.BadRequestError, match="starting_after") as info:
         list(client.responses.retrieve(first.response.id, stream=True, starting_after=-2))
     assert info.value.body["param"] == "starting_after"
-    _assert_idle(server)
-
-
-def _assert_idle(server):
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        stats = ray.get(server.actor.stats.remote(), timeout=30)
-        if stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0:
-            break
-        time.sleep(0.1)
-    assert stats["num_requests_running"] == 0 and stats["kv_blocks_used"] == 0
+    assert_idle(server.actor)
 
 
 def test_nothing_is_left_holding_a_block(client, server):
@@ -330,4 +320,4 @@ def test_nothing_is_left_holding_a_block(client, server):
         if event.type == "response.output_text.delta":
             break
     stream.close()  # the client leaves mid-reply: the request is aborted
-    _assert_idle(server)
+    assert_idle(server.actor)
