@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.cpu_block_pool import CpuBlockPool
 from coordinator.engine_core import EngineCore
+from coordinator.generation_defaults import GenerationDefaults, load_generation_defaults
 from coordinator.input_processor import InputProcessor
 from coordinator.kv_cache_manager import KVCacheManager
 from coordinator.metrics import EngineMetrics
@@ -51,11 +52,14 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, model: ModelInfo, tokenizer,
-                 model_name: str = "", executor_factory: Callable[[Executor | None], Executor] | None = None):
+                 model_name: str = "", executor_factory: Callable[[Executor | None], Executor] | None = None,
+                 generation_defaults: GenerationDefaults | None = None):
         """On a refused configuration the executor is shut down: no worker outlives it.
         `executor_factory(previous)` builds a replacement group after a worker fault, shutting the
-        failed one (`previous`) down first and taking over what it can (None: no recovery)."""
+        failed one (`previous`) down first and taking over what it can (None: no recovery).
+        `generation_defaults`: the model's sampling defaults and extra EOS ids (none if None)."""
         self.config = config
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self._executor_factory = executor_factory
         self._restart_times: list[float] = []  # of worker-group rebuilds, within restart_window
         # Told True when a rebuild starts and False when it ends, from the thread that steps.
@@ -69,7 +73,7 @@ class LLMEngine:
         self.role = ""
         self.handoff = None
         self._offered_handoff = None  # a new shared store for a dead one, taken up by the next step
-        model = self.model_info = model.with_tokenizer_eos(tokenizer)
+        model = self.model_info = model.with_tokenizer_eos(tokenizer).with_eos(self.generation_defaults.eos_token_ids)
         try:
             _check_model(config, model)
             num_blocks = executor.num_available_blocks()
@@ -104,6 +108,11 @@ class LLMEngine:
         hf_config = load_hf_config(source)  # a GGUF file's cached snapshot: no transformers import
         model = ModelInfo.from_hf_config(hf_config)
         _check_model(config, model)  # before any worker starts
+        defaults = load_generation_defaults(config.generation_config, config.override_generation_config,
+                                            source.directory, source.gguf_file is not None)
+        if defaults.sampling:
+            log.info("sampling defaults from %s: %s (requests that set them override them)",
+                     defaults.source or "override_generation_config", defaults.sampling)
 
         def build_executor(previous=None) -> Executor:
             return create_executor(config, source, config.max_model_len or model.max_context, hf_config, previous)
@@ -118,7 +127,8 @@ class LLMEngine:
             except BaseException:
                 executor.shutdown()
                 raise
-        return cls(config, executor, model, tokenizer, source.name, executor_factory=build_executor)
+        return cls(config, executor, model, tokenizer, source.name, executor_factory=build_executor,
+                   generation_defaults=defaults)
 
     # ---- the KV store ------------------------------------------------------------------------
     def _open_kv_store(self, replacing_dead: bool = False) -> tuple[StoreHandle | None, CpuBlockPool | None]:

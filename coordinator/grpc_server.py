@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.async_engine import (AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError,
                                      RequestFailedError)
+from coordinator.generation_defaults import GenerationDefaults
 from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
 from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
@@ -38,11 +39,16 @@ GRPC_CODES = {"invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
 log = logging.getLogger("pagedserve.server")
 
 
-def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; bad values raise ValueError."""
+def sampling_from_proto(msg: serving_pb2.SamplingParams, defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """Unset optional fields take the model's generation defaults, else SamplingParams'; bad
+    values raise ValueError."""
     kwargs = {name: getattr(msg, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n", "best_of", "repetition_penalty",
         "logprobs", "skip_special_tokens", "beam_width", "length_penalty", "prompt_logprobs") if msg.HasField(name)}
+    defaults = defaults or GenerationDefaults()
+    if "max_tokens" not in kwargs and defaults.max_tokens is not None:
+        kwargs["max_tokens"] = defaults.max_tokens
+    kwargs = defaults.fill({**kwargs, "use_beam_search": msg.use_beam_search})
     early = {"": False, "false": False, "true": True, "never": "never"}.get(msg.early_stopping.lower())
     if early is None:
         raise ValueError(f"early_stopping must be true, false or never; got {msg.early_stopping!r}")
@@ -50,8 +56,7 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParams:
                           ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
                           frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias) or None,
                           allowed_token_ids=list(msg.allowed_token_ids) or None,
-                          include_stop_str_in_output=msg.include_stop_str_in_output,
-                          use_beam_search=msg.use_beam_search, early_stopping=early,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, early_stopping=early,
                           structured_outputs=_structured_from_proto(msg), **kwargs)
 
 
@@ -85,7 +90,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, state.reason)
         try:
             prompt, token_ids, messages = _prompt(request)
-            params = sampling_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling, state.engine.llm_engine.generation_defaults)
             # The client's deadline, else the server's default (request_timeout); gRPC also
             # cancels at the client's, which aborts the request the same way.
             timeout = context.time_remaining()

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from coordinator.openai_tools import ToolCallPlan, tool_call_plan
+from coordinator.generation_defaults import GenerationDefaults
 from coordinator.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
@@ -102,10 +103,11 @@ class _GenerationRequest(_Body):
             raise ValueError("stream_options is only allowed with stream=true")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
-                         echo_logprobs: bool = False,
-                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                         echo_logprobs: bool = False, structured: StructuredOutputsParams | None = None,
+                         defaults: GenerationDefaults | None = None) -> SamplingParams:
         """ValueError (naming the field and limit) for a bad value; `structured`: the request's
-        constraint when it is not its response_format / structured_outputs (a tool call's)."""
+        constraint when it is not its response_format / structured_outputs (a tool call's);
+        `defaults`: the model's, for the fields the request leaves unset."""
         self.check_supported()
         kwargs = {name: getattr(self, name) for name in _SAME_NAME if getattr(self, name) is not None}
         if self.logit_bias:
@@ -118,6 +120,7 @@ class _GenerationRequest(_Body):
         elif best_of is not None:
             kwargs["best_of"] = best_of
         kwargs["structured_outputs"] = structured or self.structured_outputs_params()
+        kwargs = (defaults or GenerationDefaults()).fill(kwargs)
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -161,15 +164,18 @@ class CompletionRequest(_GenerationRequest):
         API score a text. The engine still generates one token; serving drops it."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """`defaults`: the model's generation defaults, for the fields the request leaves unset."""
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with echo=true: the prompt's logprobs "
                              "without a completion); got 0")
-        max_tokens = COMPLETIONS_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.max_tokens if defaults and defaults.max_tokens else COMPLETIONS_MAX_TOKENS
         if self.echo_only:
             max_tokens = 1
         return self._sampling_params(max_tokens, self.logprobs, self.best_of,
-                                     echo_logprobs=bool(self.echo) and self.logprobs is not None)
+                                     echo_logprobs=bool(self.echo) and self.logprobs is not None, defaults=defaults)
 
     def max_tokens_field(self) -> str | None:
         """The field whose max_tokens the prompt must leave room for (vLLM and OpenAI answer 400
@@ -236,8 +242,10 @@ class ChatCompletionRequest(_GenerationRequest):
     store: bool | None = None  # accepted, unused
     service_tier: str | None = None  # accepted, unused
 
-    def sampling_params(self, tools: ToolCallPlan | None = None) -> SamplingParams:
-        """`tools`: tool_call_plan()'s, whose schema constrains the reply."""
+    def sampling_params(self, tools: ToolCallPlan | None = None,
+                        defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """`tools`: tool_call_plan()'s, whose schema constrains the reply; `defaults`: the model's
+        generation defaults, for the fields the request leaves unset."""
         # Checked here too: SamplingParams' messages would name its own fields (max_tokens, logprobs).
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ValueError(f"max_completion_tokens must be an integer >= 1; got {self.max_completion_tokens}")
@@ -246,6 +254,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None and defaults is not None:
+            max_tokens = defaults.max_tokens  # the prompt need not leave room for it: a reply stops at the context
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         structured = None
         if tools is not None and tools.schema is not None:
@@ -253,7 +263,7 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError("tool_choice and response_format / structured_outputs cannot both constrain "
                                  "the reply; send one")
             structured = tools.structured_outputs()
-        params = self._sampling_params(max_tokens, logprobs, structured=structured)
+        params = self._sampling_params(max_tokens, logprobs, structured=structured, defaults=defaults)
         if tools is not None and tools.keeps_special_tokens and self.skip_special_tokens is None:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads them
         return params

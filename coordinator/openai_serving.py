@@ -128,7 +128,7 @@ class OpenAIServing:
                 "model": self.model_name, "system_fingerprint": self.fingerprint}
 
     async def completions(self, engine: AsyncEngine, req: CompletionRequest) -> dict | ChunkStream:
-        params = req.sampling_params()
+        params = req.sampling_params(engine.llm_engine.generation_defaults)
         prompts = [(text, ids, None) for text, ids in req.prompts()]
         head = self._head("cmpl", "text_completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout,
@@ -149,7 +149,7 @@ class OpenAIServing:
     async def chat(self, engine: AsyncEngine, req: ChatCompletionRequest) -> dict | ChunkStream:
         tools = req.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
-        params = reasoning.constrain_after(req.sampling_params(tools))
+        params = reasoning.constrain_after(req.sampling_params(tools, engine.llm_engine.generation_defaults))
         prompts = [(None, None, req.conversation())]
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,

@@ -388,7 +388,7 @@ class ResponsesServing:
         chat = req.chat_request(history)
         tools = chat.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
-        params = reasoning.constrain_after(chat.sampling_params(tools))
+        params = reasoning.constrain_after(chat.sampling_params(tools, engine.llm_engine.generation_defaults))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo()}
         turn = _Turn(head, req, chat.conversation(), stored_items(req.input, "input"), conversation, engine)

