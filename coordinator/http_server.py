@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP face of the engine (FastAPI on uvicorn), beside gRPC, over the same
 ServerState: the same checks, admission, abort, auth and status, and the same Prometheus registry.
 
-Endpoints as vLLM names them: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+Endpoints as vLLM names them: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET (also streamed again) and DELETE /v1/responses/{id}, POST
 /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items (OpenAI's Responses API:
 responses_api, responses_background), /v1/conversations and their items (conversations),
@@ -127,14 +127,25 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
         body = await asyncio.to_thread(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def models():
+    def model_cards() -> list[dict]:
         cards = [{"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
                   "root": model_name, "parent": None} for name in names]
         if state.engine is not None:
             for card in cards:
                 card["max_model_len"] = state.engine.llm_engine.input_processor.max_model_len
-        return {"object": "list", "data": cards}
+        return cards
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded)  # ids may be paths, slashes and all
+    async def model(model_id: str):
+        card = next((card for card in model_cards() if card["id"] == model_id), None)
+        if card is None:
+            served = " or ".join(repr(n) for n in names)
+            raise ApiError("not_found", f"the model {model_id!r} does not exist; this server serves {served}", "model")
+        return card
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):

@@ -290,6 +290,11 @@ def test_health_version_and_metrics_are_open(server):
 
 def test_models_and_tokenize_detokenize_round_trip(client, server, bundled_tokenizer):
     assert [m.id for m in client.models.list().data] == [server.model]
+    card = client.models.retrieve(server.model)  # the id is the model's path: slashes and all
+    assert card.id == server.model and card.max_model_len == client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["param"] == "model" and "no-such-model" in info.value.body["message"]
     text = "Paged attention, like virtual memory."
     status, body = _request(server.url + "/tokenize", {"model": server.model, "prompt": text})
     tokens = json.loads(body)
