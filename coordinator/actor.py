@@ -193,7 +193,8 @@ class CoordinatorActor:
         from coordinator.server_options import DEFAULT_HTTP_PORT
 
         self._http = HttpServer(self._state, model, self._metrics_registry(model), options.tls,
-                                options.auto_tool_parser, options.reasoning_parser, options.served_model_name)
+                                options.auto_tool_parser, options.reasoning_parser, options.served_model_name,
+                                options.allowed_origins)
         if options.http_port is not None:
             port = await self._http.start(options.http_host, options.http_port)
         else:

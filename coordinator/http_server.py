@@ -29,6 +29,7 @@ import time
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
@@ -52,12 +53,17 @@ FINGERPRINT = f"pagedserve-{VERSION}"
 
 
 def build_app(state: ServerState, model_name: str, registry=None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, served_model_names: list[str] | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, served_model_names: list[str] | None = None,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app over `state`; `model_name` is the id clients send (None or "" also work);
     `tool_call_parser`: set, tool_choice "auto" is served with it; `reasoning_parser`: set, chat
     replies carry their reasoning apart (`reasoning_content`); `served_model_names`: the ids
-    clients send instead of `model_name` (vLLM's --served-model-name: responses name the first)."""
+    clients send instead of `model_name` (vLLM's --served-model-name: responses name the first);
+    `allowed_origins`: the browser origins CORS lets call it ("*": any; none: no cross-origin call)."""
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_origins:  # preflights are answered before auth: a browser sends no key with them
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     names = list(served_model_names or [model_name])
     serving = OpenAIServing(names[0], state.request_timeout, FINGERPRINT, tool_call_parser, reasoning_parser)
     responses = ResponsesServing(names[0], state.request_timeout, tool_call_parser, serving.reasoning)
@@ -416,9 +422,10 @@ class HttpServer:
 
     def __init__(self, state: ServerState, model_name: str, registry=None, tls: tuple[bytes, bytes] | None = None,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 served_model_names: list[str] | None = None):
+                 served_model_names: list[str] | None = None, allowed_origins: tuple[str, ...] = ()):
         self.state = state
-        self.app = build_app(state, model_name, registry, tool_call_parser, reasoning_parser, served_model_names)
+        self.app = build_app(state, model_name, registry, tool_call_parser, reasoning_parser, served_model_names,
+                             allowed_origins)
         self.tls = tls
         self.port = 0
         self._server: uvicorn.Server | None = None

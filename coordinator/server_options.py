@@ -62,6 +62,9 @@ class ServerOptions:
     # The model ids HTTP clients send and responses carry (the first) in place of the model's
     # path or alias (vLLM's --served-model-name); None: the model's own.
     served_model_name: list[str] | None = None
+    # Origins whose browser pages may call the HTTP API (CORS; vLLM's --allowed-origins, whose
+    # default is any): an empty tuple answers no cross-origin request. The API key applies either way.
+    allowed_origins: tuple[str, ...] = ("*",)
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -118,6 +121,10 @@ class ServerOptions:
                 or not all(isinstance(n, str) and n.strip() for n in self.served_model_name)):
             raise ValueError(f"served_model_name must be a list of one or more non-empty names; "
                              f"got {self.served_model_name!r}")
+        if not isinstance(self.allowed_origins, tuple) or not all(
+                isinstance(o, str) and o for o in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be a tuple of origins (e.g. 'https://app.example', or '*'); "
+                             f"got {self.allowed_origins!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")

@@ -35,6 +35,17 @@ def _json_map(text: str) -> dict:
 _TYPES["dict | None"] = _json_map  # speculative_config
 
 
+def _json_origins(text: str) -> list[str]:
+    """vLLM's --allowed-origins: a JSON list of origins ('["*"]'), or one origin as it is."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError('must be a JSON list of origins, e.g. \'["https://app.example"]\'')
+    return value
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -141,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model id(s) HTTP clients send, in place of --model's path or alias; responses "
                             "carry the first")
+    serve.add_argument("--allowed-origins", type=_json_origins, default=["*"], metavar="JSON",
+                       help='origins whose browser pages may call the HTTP API (CORS), as vLLM\'s: a JSON list, '
+                            'default \'["*"]\' (any; the API key still applies); \'[]\' answers no cross-origin '
+                            "request")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return a thinking model's <think> block as reasoning_content, apart from the "
                             "content: deepseek_r1 (the reply starts inside it), qwen3 (an explicit <think>)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 
 from pagedserve import cli
 from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
@@ -56,3 +57,18 @@ def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):
     out = capsys.readouterr().out
     assert "### Hello" in out and "### World" in out
     assert "generation_tokens=10" in out and "kv_blocks_used=0" in out
+
+
+def test_allowed_origins_take_vllms_json_list(capsys):
+    from pagedserve.serve_command import _server_options
+
+    parser = cli.build_parser()
+    for flags, origins in (([], ("*",)), (["--allowed-origins", '["https://a.example", "http://b:3000"]'],
+                                          ("https://a.example", "http://b:3000")),
+                           (["--allowed-origins", "[]"], ()), (["--allowed-origins", "https://a.example"],
+                                                               ("https://a.example",))):
+        assert _server_options(parser.parse_args(["serve"] + flags), None).allowed_origins == origins
+    with pytest.raises(SystemExit) as info:  # argparse's refusal, before anything starts
+        cli.main(["serve", "--allowed-origins", '{"a": 1}'])
+    assert info.value.code == 2
+    assert "--allowed-origins: must be a JSON list of origins" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from tests.reference import hf_greedy
 from tests.serving import running_coordinator
 
 API_KEY = "test-key"
+ALLOWED_ORIGIN = "https://app.example"
 MAX_QUEUED = 3
 MAX_NUM_SEQS = 4
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -39,7 +40,8 @@ def server(ray_session, tiny_llama):
     # "uni": the model inside the coordinator's process; a worker actor would add seconds of start-up.
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=MAX_NUM_SEQS,
                           distributed_executor_backend="uni")
-    with running_coordinator(config, api_key=API_KEY, max_queued_requests=MAX_QUEUED) as (actor, _):
+    with running_coordinator(config, api_key=API_KEY, max_queued_requests=MAX_QUEUED,
+                             allowed_origins=(ALLOWED_ORIGIN,)) as (actor, _):
         port = ray.get(actor.status.remote())["http_port"]
         yield SimpleNamespace(actor=actor, url=f"http://127.0.0.1:{port}", model=tiny_llama)
 
@@ -286,6 +288,27 @@ def test_health_version_and_metrics_are_open(server):
     status, body = _request(server.url + "/metrics", key=None)
     text = body.decode()
     assert status == 200 and "pagedserve_requests_rejected_total{" in text and "pagedserve_num_requests{" in text
+
+
+def test_browser_pages_of_an_allowed_origin_may_call_it_with_the_key(server):
+    def call(method: str, origin: str, headers: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(server.url + "/v1/models", method=method,
+                                         headers={"Origin": origin, **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers)
+
+    preflight = {"Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"}
+    status, headers = call("OPTIONS", ALLOWED_ORIGIN, preflight)  # a browser sends no key with it
+    assert status == 200 and headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    status, headers = call("GET", ALLOWED_ORIGIN, {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    status, headers = call("GET", ALLOWED_ORIGIN, {})
+    assert status == 401  # CORS lets the page ask; the key still decides
+    status, headers = call("OPTIONS", "https://elsewhere.example", preflight)
+    assert status == 400 and "access-control-allow-origin" not in headers
 
 
 def test_models_and_tokenize_detokenize_round_trip(client, server, bundled_tokenizer):
