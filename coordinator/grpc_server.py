@@ -44,7 +44,8 @@ def sampling_from_proto(msg: serving_pb2.SamplingParams, defaults: GenerationDef
     values raise ValueError."""
     kwargs = {name: getattr(msg, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n", "best_of", "repetition_penalty",
-        "logprobs", "skip_special_tokens", "beam_width", "length_penalty", "prompt_logprobs") if msg.HasField(name)}
+        "logprobs", "skip_special_tokens", "beam_width", "length_penalty", "prompt_logprobs", "truncate_prompt_tokens")
+        if msg.HasField(name)}
     defaults = defaults or GenerationDefaults()
     if "max_tokens" not in kwargs and defaults.max_tokens is not None:
         kwargs["max_tokens"] = defaults.max_tokens

@@ -67,8 +67,10 @@ class InputProcessor:
             raise ValueError(f"messages: the chat template refused them: {e}") from None
         return list(ids)
 
-    def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The prompt's token ids, or ValueError naming the field and limit."""
+    def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                     truncate_to: int | None = None) -> list[int]:
+        """The prompt's token ids, or ValueError naming the field and limit; `truncate_to`: keep
+        the last so many (-1: as many as leave room for one new token)."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
@@ -79,6 +81,8 @@ class InputProcessor:
             raise ValueError("prompt_token_ids must be a list of integers") from None
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if truncate_to is not None:
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len - 1 if truncate_to == -1 else truncate_to):]
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
@@ -104,7 +108,7 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
         if messages is not None:
             prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
-        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids)
+        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
         if max_tokens_field is not None and params.max_tokens is not None:
             room = self.max_model_len - len(prompt_token_ids)
             if params.max_tokens > room:

@@ -39,7 +39,7 @@ _NOT_SUPPORTED = {
 _SAME_NAME = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
               "repetition_penalty", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
               "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "length_penalty",
-              "early_stopping", "allowed_token_ids")
+              "early_stopping", "allowed_token_ids", "truncate_prompt_tokens")
 
 
 class _Body(BaseModel):
@@ -79,6 +79,7 @@ class _GenerationRequest(_Body):
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens (-1: as many as fit)
     priority: int | None = 0
     prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, or vLLM's

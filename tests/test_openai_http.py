@@ -335,6 +335,13 @@ def test_models_and_tokenize_detokenize_round_trip(client, server, bundled_token
     chat = client.chat.completions.create(model=server.model, messages=messages, max_tokens=3, temperature=0,
                                           extra_body={"add_generation_prompt": False, "continue_final_message": True})
     assert chat.usage.prompt_tokens == len(expected)
+    # vLLM's truncate_prompt_tokens: the prompt's last k tokens only
+    cut = client.completions.create(model=server.model, prompt=text, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt=text, extra_body={"truncate_prompt_tokens": 0})
+    assert info.value.body["param"] == "truncate_prompt_tokens"
     status, body = _request(server.url + "/detokenize", {"tokens": [10**9]})
     assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
 
