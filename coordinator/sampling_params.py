@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as _json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 MAX_BEST_OF = 64
@@ -141,14 +142,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop or [], "a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids or [], "a list of token ids")
         if self.best_of is None:
             self.best_of = self.n
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must be a map of token id to bias; got {type(self.logit_bias).__name__}")
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {*_STRUCTURED_KINDS, "disable_any_whitespace"}
             if unknown:
@@ -258,6 +261,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _as_list(name: str, value, what: str) -> list:
+    """`value` (a list, tuple or other sequence) as a list; ValueError naming `name` otherwise."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be {what}; got {type(value).__name__} {value!r}")
+    return list(value)
 
 
 def _check_int(name: str, value, low: int) -> None:

@@ -180,11 +180,11 @@ class Client:
             raise ServingError(e.code(), e.details()) from None
 
     def health(self) -> bool:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        """Whether the server serves (gRPC's health check of the Serving service)."""
+        from grpc_health.v1 import health_pb2
 
         try:
-            reply = health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=_HEALTH_SERVICE), timeout=self.timeout or 5)
+            reply = _health_stub(self._channel).Check(_health_request(), timeout=self.timeout or 5)
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -197,6 +197,18 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _health_stub(channel):
+    from grpc_health.v1 import health_pb2_grpc
+
+    return health_pb2_grpc.HealthStub(channel)
+
+
+def _health_request():
+    from grpc_health.v1 import health_pb2
+
+    return health_pb2.HealthCheckRequest(service=_HEALTH_SERVICE)
 
 
 class AsyncClient:
@@ -237,6 +249,16 @@ class AsyncClient:
         except grpc.RpcError as e:
             raise ServingError(e.code(), e.details()) from None
         return dict(reply.stats)
+
+    async def health(self) -> bool:
+        """Whether the server serves (gRPC's health check of the Serving service)."""
+        from grpc_health.v1 import health_pb2
+
+        try:
+            reply = await _health_stub(self._channel).Check(_health_request(), timeout=self.timeout or 5)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         await self._channel.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -13,13 +14,23 @@ from coordinator.server_options import ServerOptions
 from pagedserve.config import EngineConfig
 
 
+async def _async_health(port: int) -> bool:
+    async with pagedserve.AsyncClient(f"127.0.0.1:{port}", timeout=30) as client:
+        return await client.health()
+
+
+def test_the_async_client_has_every_method_of_the_client():
+    public = lambda cls: {name for name in vars(cls) if not name.startswith("_")}  # noqa: E731
+    assert public(pagedserve.Client) <= public(pagedserve.AsyncClient)
+
+
 def test_coordinator_actor_serves_the_same_tokens_as_the_offline_api(ray_session, tiny_llama):
     config = EngineConfig(model=tiny_llama, kv_cache_memory=1 << 24)
     actor = CoordinatorActor.remote()
     try:
         port = ray.get(actor.start.remote(config_dict(config), ServerOptions(port=0)), timeout=120)
         with pagedserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
-            assert client.health()
+            assert client.health() and asyncio.run(_async_health(port))
             served = client.generate([11, 12, 13], max_tokens=6, temperature=0.0, ignore_eos=True)
         offline = pagedserve.LLM(tiny_llama, kv_cache_memory=1 << 24).generate(
             {"prompt_token_ids": [11, 12, 13]},
@@ -45,6 +56,7 @@ def test_coordinator_binds_first_and_stays_not_serving_when_the_model_fails_to_l
         assert status["state"] == "failed" and "failed to load" in status["reason"]
         with pagedserve.Client(f"127.0.0.1:{port}", timeout=30) as client:
             assert not client.health()  # bound, answering, NOT_SERVING
+            assert not asyncio.run(_async_health(port))
             with pytest.raises(pagedserve.ServingError) as info:
                 client.generate("Hello", max_tokens=2)
             assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no-such-model" in info.value.details

@@ -95,6 +95,12 @@ def test_seeded_draws_are_a_function_of_seed_and_position_only():
     ("stop", [""], "stop must be a list of non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be an integer >= 0"),
     ("n", 0, "n must be an integer >= 1"),
+    # containers of the wrong kind: the field named, not a TypeError from inside
+    ("stop", 5, "stop must be a string or a list of strings; got int"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of token ids; got int"),
+    ("stop_token_ids", "12", "stop_token_ids must be a list of token ids; got str"),
+    ("logit_bias", [1], "logit_bias must be a map of token id to bias; got list"),
+    ("allowed_token_ids", 3, "allowed_token_ids must be a list of token ids; got int"),
 ])
 def test_invalid_sampling_params_name_the_field_and_range(field, value, words):
     with pytest.raises(ValueError) as err:
