@@ -8,6 +8,8 @@ choice i * n + j, as vLLM numbers them. A formatter keeps, per choice, what stre
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from coordinator.openai_tools import ToolCallPlan, tool_call
 from coordinator.reasoning_parsers import ThinkParser
 from coordinator.outputs import CompletionOutput, RequestOutput
@@ -127,12 +129,15 @@ class ChatFormat(_Choices):
     """/v1/chat/completions choices (one conversation: prompt index 0); `logprobs` k or None;
     `tools`: how a reply becomes tool calls; `reasoning`: the server's reasoning parser, which
     splits `reasoning_content` off the reply (`starts_inside`: whether the reply begins inside a
-    think block; None, the parser's own reading)."""
+    think block; None, the parser's own reading); `token_bytes`: token id -> the bytes logprobs
+    report (TokenBytes; None: the decoded token's)."""
 
     def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None,
-                 reasoning: ThinkParser | None = None, starts_inside: bool | None = None):
+                 reasoning: ThinkParser | None = None, starts_inside: bool | None = None,
+                 token_bytes: Callable[[int], list[int]] | None = None):
         super().__init__(n)
         self.k = logprobs
+        self.token_bytes = token_bytes
         self.tools = tools
         self.reasoning = reasoning
         self.starts_inside = starts_inside
@@ -269,8 +274,8 @@ class ChatFormat(_Choices):
 
     def _entry(self, step: dict, tid: int) -> dict:
         top = sorted((t for t in step if step[t].rank <= self.k), key=lambda t: step[t].rank)[:self.k]
-        return {**_token(step[tid]), "top_logprobs": [_token(step[t]) for t in top]}
+        return {**self._token(step[tid], tid), "top_logprobs": [self._token(step[t], t) for t in top]}
 
-
-def _token(lp) -> dict:
-    return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob), "bytes": list(lp.decoded_token.encode())}
+    def _token(self, lp, tid: int) -> dict:
+        raw = self.token_bytes(tid) if self.token_bytes else list(lp.decoded_token.encode())
+        return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob), "bytes": raw}

@@ -22,6 +22,7 @@ from coordinator.outputs import RequestOutput
 from coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
 from coordinator.reasoning_parsers import ThinkParser, reply_starts_inside
 from coordinator.sampling_params import SamplingParams
+from coordinator.token_bytes import token_bytes_of
 
 
 class RequestGroup:
@@ -155,7 +156,8 @@ class OpenAIServing:
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
         fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning,
-                         reasoning.starts_inside(params, group.prompt_token_ids[0]))
+                         reasoning.starts_inside(params, group.prompt_token_ids[0]),
+                         token_bytes_of(engine.llm_engine.tokenizer))
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,

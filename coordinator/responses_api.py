@@ -38,6 +38,7 @@ from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
 from coordinator.outputs import RequestOutput
 from coordinator.response_items import copy_item, input_messages, stored_items
 from coordinator.responses_background import BackgroundResponses, EventLog, Replay
+from coordinator.token_bytes import token_bytes_of
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -400,7 +401,8 @@ class ResponsesServing:
             group = await RequestGroup.admit(engine, [prompt], params, head["id"], req.priority or 0,
                                              self.request_timeout, chat.chat_options(), field)
             return group, ChatFormat(1, params.logprobs, tools, self.reasoning,
-                                     reasoning.starts_inside(params, group.prompt_token_ids[0]))
+                                     reasoning.starts_inside(params, group.prompt_token_ids[0]),
+                                     token_bytes_of(engine.llm_engine.tokenizer))
 
         if req.background:
             # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.

@@ -165,6 +165,17 @@ def test_logprobs_in_each_endpoints_format(client, server, bundled_tokenizer):
         assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob)
         assert entry.top_logprobs[1].logprob <= entry.logprob
         assert bytes(entry.bytes).decode() == entry.token
+    # tokens that are pieces of a character (😀 is 3 tokens here) report their own bytes, not U+FFFD's
+    emoji = bundled_tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) == 3
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Go on"}],
+                                          max_tokens=12, logprobs=True,
+                                          extra_body={"allowed_token_ids": emoji, "ignore_eos": True}, temperature=0)
+    pieces = {bytes(piece) for piece in (b"\xf0\x9f", b"\x98", b"\x80")}  # 😀's UTF-8, as its tokens split it
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 12 and {bytes(entry.bytes) for entry in entries} <= pieces
+    raw = bytes(b for entry in entries for b in entry.bytes)  # the text holds back a last, unfinished character
+    assert raw.decode(errors="replace").startswith(chat.choices[0].message.content)
 
 
 def test_a_seed_makes_sampling_reproducible(client, server):
