@@ -61,6 +61,7 @@ class CoordinatorActor:
         self._metrics = None  # MetricsServer
         self._http = None  # HttpServer: the OpenAI-compatible API
         self._registry = None  # the Prometheus registry both /metrics endpoints serve
+        self._stats_log: asyncio.Task | None = None  # the periodic stats line (stats_logger)
         self.port = 0
         self._info: dict = {}
         self._launch_args = (config, options)
@@ -228,6 +229,10 @@ class CoordinatorActor:
         self._async_engine = served
         served.start()
         await self._state.set_engine(served)
+        if options.log_stats:
+            from coordinator.stats_logger import log_stats_forever
+
+            self._stats_log = loop.create_task(log_stats_forever(self._state.stats))
 
     async def _load_replicas(self, config: EngineConfig, options: ServerOptions):
         """`data_parallel_size` engines (the first alone, then the rest side by side), spread over
@@ -340,6 +345,8 @@ class CoordinatorActor:
         drain_timeout, end the rest with UNAVAILABLE; then stop the engine loop and its workers."""
         self._closing = True
         _forget_ports(_ports_key())
+        if self._stats_log is not None:
+            self._stats_log.cancel()
         if self._state is not None:
             await self._state.stop()
         if self._async_engine is not None:

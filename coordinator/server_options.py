@@ -65,6 +65,9 @@ class ServerOptions:
     # Origins whose browser pages may call the HTTP API (CORS; vLLM's --allowed-origins, whose
     # default is any): an empty tuple answers no cross-origin request. The API key applies either way.
     allowed_origins: tuple[str, ...] = ("*",)
+    # A line of throughput, queues and KV usage on the server's stderr every few seconds while it
+    # works (vLLM's; --disable-log-stats turns it off).
+    log_stats: bool = True
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -135,7 +138,8 @@ class ServerOptions:
             from coordinator.chat_template import check_chat_template
 
             check_chat_template(self.chat_template)
-        for name in ("default_metrics", "http", "enable_auto_tool_choice", "trust_request_chat_template"):
+        for name in ("default_metrics", "http", "enable_auto_tool_choice", "trust_request_chat_template",
+                     "log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 

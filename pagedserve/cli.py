@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='origins whose browser pages may call the HTTP API (CORS), as vLLM\'s: a JSON list, '
                             'default \'["*"]\' (any; the API key still applies); \'[]\' answers no cross-origin '
                             "request")
+    serve.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic line of throughput, queues and KV cache usage on stderr (vLLM's flag)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return a thinking model's <think> block as reasoning_content, apart from the "
                             "content: deepseek_r1 (the reply starts inside it), qwen3 (an explicit <think>)")

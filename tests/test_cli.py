@@ -59,7 +59,7 @@ def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):
     assert "generation_tokens=10" in out and "kv_blocks_used=0" in out
 
 
-def test_allowed_origins_take_vllms_json_list(capsys):
+def test_vllms_front_door_flags_allowed_origins_and_disable_log_stats(capsys):
     from pagedserve.serve_command import _server_options
 
     parser = cli.build_parser()
@@ -68,6 +68,8 @@ def test_allowed_origins_take_vllms_json_list(capsys):
                            (["--allowed-origins", "[]"], ()), (["--allowed-origins", "https://a.example"],
                                                                ("https://a.example",))):
         assert _server_options(parser.parse_args(["serve"] + flags), None).allowed_origins == origins
+    assert _server_options(parser.parse_args(["serve"]), None).log_stats
+    assert not _server_options(parser.parse_args(["serve", "--disable-log-stats"]), None).log_stats
     with pytest.raises(SystemExit) as info:  # argparse's refusal, before anything starts
         cli.main(["serve", "--allowed-origins", '{"a": 1}'])
     assert info.value.code == 2
