@@ -80,6 +80,8 @@ class _GenerationRequest(_Body):
     early_stopping: bool | str | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens (-1: as many as fit)
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>", not by text
     priority: int | None = 0
     prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, or vLLM's

@@ -52,9 +52,14 @@ class _Choices:
     def __init__(self, n: int):
         self.n = n
         self._done: set[int] = set()
+        self.ids_as_tokens = False
 
     def index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.n + completion.index
+
+    def _label(self, token_id: int, text: str) -> str:
+        """A token as logprobs name it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.ids_as_tokens else text
 
     def _news(self, prompt_index: int, out: RequestOutput):
         """(choice index, completion, its finish reason if it finished just now) per sample with news."""
@@ -70,12 +75,15 @@ class _Choices:
 class CompletionFormat(_Choices):
     """/v1/completions choices; `logprobs` k (None: none), `echo` the prompt before each choice."""
 
-    def __init__(self, n: int, logprobs: int | None, echo: bool, with_prompt_logprobs: bool, tokenizer):
+    def __init__(self, n: int, logprobs: int | None, echo: bool, with_prompt_logprobs: bool, tokenizer,
+                 token_ids: bool = False, ids_as_tokens: bool = False):
         super().__init__(n)
         self.k = logprobs
         self.echo = echo
         self.with_prompt_logprobs = with_prompt_logprobs
         self.tokenizer = tokenizer
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice's ids, the prompt's with its first
+        self.ids_as_tokens = ids_as_tokens  # vLLM's return_tokens_as_token_ids
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
 
     def whole(self, prompt_index: int, out: RequestOutput) -> list[dict]:
@@ -104,6 +112,10 @@ class CompletionFormat(_Choices):
                   "stop_reason": c.stop_reason if finish_reason else None}
         if first and self.with_prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs_json(out)
+        if self.token_ids:
+            choice["token_ids"] = list(token_ids)
+            if first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
 
     def _append(self, logprobs: dict, steps: list[dict | None], token_ids: list[int], offset: int) -> int:
@@ -111,17 +123,17 @@ class CompletionFormat(_Choices):
         None for a prompt's first token (nothing predicts it)."""
         for step, tid in zip(steps, token_ids):
             if step is None:
-                token, value, top = self.tokenizer.decode([tid]), None, None
+                text, value, top = self.tokenizer.decode([tid]), None, None
             else:
-                token, value = step[tid].decoded_token, _logprob(step[tid].logprob)
+                text, value = step[tid].decoded_token, _logprob(step[tid].logprob)
                 top = {}  # top k + the token, by text: of two tokens with one text, the likelier
-                for lp in sorted(step.values(), key=lambda lp: lp.rank):
-                    top.setdefault(lp.decoded_token, _logprob(lp.logprob))
-            logprobs["tokens"].append(token)
+                for t, lp in sorted(step.items(), key=lambda item: item[1].rank):
+                    top.setdefault(self._label(t, lp.decoded_token), _logprob(lp.logprob))
+            logprobs["tokens"].append(self._label(tid, text))
             logprobs["token_logprobs"].append(value)
             logprobs["top_logprobs"].append(top)
             logprobs["text_offset"].append(offset)
-            offset += len(token)
+            offset += len(text)
         return offset
 
 
@@ -134,10 +146,13 @@ class ChatFormat(_Choices):
 
     def __init__(self, n: int, logprobs: int | None, tools: ToolCallPlan | None = None,
                  reasoning: ThinkParser | None = None, starts_inside: bool | None = None,
-                 token_bytes: Callable[[int], list[int]] | None = None):
+                 token_bytes: Callable[[int], list[int]] | None = None, token_ids: bool = False,
+                 ids_as_tokens: bool = False):
         super().__init__(n)
         self.k = logprobs
         self.token_bytes = token_bytes
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice's ids (the prompt's: the response's)
+        self.ids_as_tokens = ids_as_tokens  # vLLM's return_tokens_as_token_ids
         self.tools = tools
         self.reasoning = reasoning
         self.starts_inside = starts_inside
@@ -151,8 +166,11 @@ class ChatFormat(_Choices):
             message, finish_reason = self._message(c.text, c.finish_reason)
             choices.append({"index": self.index(0, c), "message": {"role": "assistant", **message},
                             "logprobs": self._logprobs(c.logprobs, c.token_ids), "finish_reason": finish_reason,
-                            "stop_reason": c.stop_reason})
+                            "stop_reason": c.stop_reason, **self._ids(c.token_ids)})
         return choices
+
+    def _ids(self, token_ids: list[int]) -> dict:
+        return {"token_ids": list(token_ids)} if self.token_ids else {}
 
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A whole reply's message fields (its reasoning where a parser splits it off, content,
@@ -181,7 +199,7 @@ class ChatFormat(_Choices):
     def deltas(self, out: RequestOutput) -> list[dict]:
         choices = [{"index": index, **self._delta(index, c, finish_reason),
                     "logprobs": self._logprobs(_new_logprobs(c), c.delta_token_ids),
-                    "stop_reason": c.stop_reason if finish_reason else None}
+                    "stop_reason": c.stop_reason if finish_reason else None, **self._ids(c.delta_token_ids)}
                    for index, c, finish_reason in self._news(0, out)]
         return [c for c in choices if c["delta"] or c["finish_reason"] or c["logprobs"] or self.tools is None]
 
@@ -278,4 +296,4 @@ class ChatFormat(_Choices):
 
     def _token(self, lp, tid: int) -> dict:
         raw = self.token_bytes(tid) if self.token_bytes else list(lp.decoded_token.encode())
-        return {"token": lp.decoded_token, "logprob": _logprob(lp.logprob), "bytes": raw}
+        return {"token": self._label(tid, lp.decoded_token), "logprob": _logprob(lp.logprob), "bytes": raw}

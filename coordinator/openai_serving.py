@@ -136,7 +136,8 @@ class OpenAIServing:
                                          max_tokens_field=req.max_tokens_field())
         group.echo_only = req.echo_only
         fmt = CompletionFormat(params.n, params.logprobs, bool(req.echo), req.prompt_logprobs is not None,
-                               engine.llm_engine.tokenizer)
+                               engine.llm_engine.tokenizer, bool(req.return_token_ids),
+                               bool(req.return_tokens_as_token_ids))
         if req.stream:
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(i, out), req.include_usage,
                                               continuous_usage=req.continuous_usage))
@@ -157,16 +158,19 @@ class OpenAIServing:
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
         fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning,
                          reasoning.starts_inside(params, group.prompt_token_ids[0]),
-                         token_bytes_of(engine.llm_engine.tokenizer))
+                         token_bytes_of(engine.llm_engine.tokenizer), bool(req.return_token_ids),
+                         bool(req.return_tokens_as_token_ids))
+        prompt_ids = {"prompt_token_ids": list(group.prompt_token_ids[0])} if req.return_token_ids else {}
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return ChunkStream(group, _chunks(group, head, lambda i, out: fmt.deltas(out), req.include_usage,
-                                              first=fmt.first_deltas(params.n), continuous_usage=req.continuous_usage))
+                                              first=fmt.first_deltas(params.n), continuous_usage=req.continuous_usage,
+                                              first_fields=prompt_ids))
         try:
             (final,) = await group.finals()
         finally:
             group.close()
-        response = {**head, "choices": fmt.whole(final), "usage": usage([final])}
+        response = {**head, "choices": fmt.whole(final), "usage": usage([final]), **prompt_ids}
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final)
         return response
@@ -215,9 +219,11 @@ class ChunkStream:
 
 
 async def _chunks(group: RequestGroup, head: dict, deltas, include_usage: bool,
-                  first: list[dict] | None = None, continuous_usage: bool = False) -> AsyncIterator[dict]:
+                  first: list[dict] | None = None, continuous_usage: bool = False,
+                  first_fields: dict | None = None) -> AsyncIterator[dict]:
     """Chunks as outputs come; with include_usage every chunk has `usage: null` (the usage so
-    far, with `continuous_usage`) and a last one (no choices) carries the totals."""
+    far, with `continuous_usage`) and a last one (no choices) carries the totals. `first`: the
+    first chunk's choices, and `first_fields` its other fields beside head's."""
     extra = {"usage": None} if include_usage else {}
     latest: dict[int, RequestOutput] = {}  # each prompt's output so far
     try:
@@ -225,7 +231,7 @@ async def _chunks(group: RequestGroup, head: dict, deltas, include_usage: bool,
             prompt = sum(len(ids) for ids in group.prompt_token_ids)
             if continuous_usage:
                 extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}}
-            yield {**head, "choices": first, **extra}
+            yield {**head, "choices": first, **extra, **(first_fields or {})}
         async for i, out in group.outputs():
             latest[i] = out
             choices = deltas(i, out)

@@ -419,3 +419,31 @@ def test_a_server_still_loading_answers_503_and_tls_works():
         run(https.stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+def test_token_ids_come_back_when_asked_as_vllm_returns_them(client, server):
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(model=server.model, prompt="Tell me a story", max_tokens=6, temperature=0,
+                                      logprobs=2, extra_body={**ids, "return_tokens_as_token_ids": True})
+    choice = whole.choices[0]
+    assert len(choice.prompt_token_ids) == whole.usage.prompt_tokens and len(choice.token_ids) == 6
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    stream = client.completions.create(model=server.model, prompt="Tell me a story", max_tokens=6, temperature=0,
+                                       stream=True, extra_body=ids)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].prompt_token_ids == choice.prompt_token_ids
+    assert [t for c in chunks for t in c.token_ids] == choice.token_ids
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=server.model, messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, extra_body={**ids, "return_tokens_as_token_ids": True})
+    assert len(chat.prompt_token_ids) == chat.usage.prompt_tokens and len(chat.choices[0].token_ids) == 5
+    assert [e.token for e in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    stream = list(client.chat.completions.create(model=server.model, messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, extra_body=ids))
+    assert stream[0].prompt_token_ids == chat.prompt_token_ids
+    streamed = [t for c in stream for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
+    assert streamed == chat.choices[0].token_ids
+    plain = client.chat.completions.create(model=server.model, messages=messages, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra and "prompt_token_ids" not in plain.model_extra
