@@ -229,6 +229,10 @@ class CoordinatorActor:
         self._async_engine = served
         served.start()
         await self._state.set_engine(served)
+        if options.log_requests:
+            from coordinator import request_log
+
+            request_log.enable(options.log_requests_max_len)
         if options.log_stats:
             from coordinator.stats_logger import log_stats_forever
 

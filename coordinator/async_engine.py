@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from coordinator import request_log
 from coordinator.engine import LLMEngine
 from coordinator.outputs import RequestOutput
 from coordinator.sampling_params import SamplingParams
@@ -185,7 +187,11 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._adds.append((request_id, token_ids, params, priority, publish_kv))
         self._wakeup.set()
-        finished = False
+        finished, out, logged = False, None, request_log.enabled()
+        if logged:
+            shown = prompt if prompt is not None else self.llm_engine.tokenizer.decode(token_ids)  # a chat's, rendered
+            request_log.received(request_id, shown, token_ids, params)
+            started = time.monotonic()
         try:
             while not finished:
                 if expires is None:
@@ -212,6 +218,11 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 self._aborts.append(request_id)
                 self._wakeup.set()
+            if logged:
+                how = ", ".join(sorted({c.finish_reason or "" for c in out.outputs})) if finished else \
+                    self._abort_reasons.get(request_id, "aborted")
+                generated = sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
+                request_log.ended(request_id, how, generated, time.monotonic() - started)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -68,6 +68,10 @@ class ServerOptions:
     # A line of throughput, queues and KV usage on the server's stderr every few seconds while it
     # works (vLLM's; --disable-log-stats turns it off).
     log_stats: bool = True
+    # A line per request as it arrives and ends, with its prompt cut to log_requests_max_len
+    # characters (vLLM's --enable-log-requests, --max-log-len): off by default, prompts are users' data.
+    log_requests: bool = False
+    log_requests_max_len: int | None = None
 
     def __post_init__(self):
         for name in ("host", "metrics_host", "http_host"):
@@ -128,6 +132,10 @@ class ServerOptions:
                 isinstance(o, str) and o for o in self.allowed_origins):
             raise ValueError(f"allowed_origins must be a tuple of origins (e.g. 'https://app.example', or '*'); "
                              f"got {self.allowed_origins!r}")
+        if self.log_requests_max_len is not None and (not _is_int(self.log_requests_max_len)
+                                                      or self.log_requests_max_len < 0):
+            raise ValueError(f"log_requests_max_len must be an integer >= 0, or None for whole prompts; "
+                             f"got {self.log_requests_max_len!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
@@ -139,7 +147,7 @@ class ServerOptions:
 
             check_chat_template(self.chat_template)
         for name in ("default_metrics", "http", "enable_auto_tool_choice", "trust_request_chat_template",
-                     "log_stats"):
+                     "log_stats", "log_requests"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 

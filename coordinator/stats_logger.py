@@ -53,7 +53,7 @@ class StatsLine:
 
 async def log_stats_forever(read_stats: Callable[[], Awaitable[dict]], interval: float = DEFAULT_INTERVAL_S) -> None:
     """Log StatsLine's report every `interval` seconds until cancelled; a failed read skips one."""
-    _to_stderr(log)
+    to_stderr(log)
     line = StatsLine()
     while True:
         try:
@@ -66,7 +66,7 @@ async def log_stats_forever(read_stats: Callable[[], Awaitable[dict]], interval:
         await asyncio.sleep(interval)
 
 
-def _to_stderr(logger: logging.Logger) -> None:
+def to_stderr(logger: logging.Logger) -> None:
     """Info lines on stderr, where the server's operator reads them (a Ray actor has no handler)."""
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

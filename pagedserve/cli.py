@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "request")
     serve.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic line of throughput, queues and KV cache usage on stderr (vLLM's flag)")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it arrives (id, prompt, sampling settings) and as it ends "
+                            "(vLLM's flag; off by default: prompts are users' data)")
+    serve.add_argument("--disable-log-requests", action="store_true",
+                       help="vLLM's older flag: requests are not logged unless --enable-log-requests, so it "
+                            "changes nothing")
+    serve.add_argument("--max-log-len", type=int, default=None, metavar="CHARS",
+                       help="characters of a prompt a request's log line shows (default: all)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="return a thinking model's <think> block as reasoning_content, apart from the "
                             "content: deepseek_r1 (the reply starts inside it), qwen3 (an explicit <think>)")

@@ -132,7 +132,8 @@ def _server_options(args, api_key: str | None) -> ServerOptions:
                          chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
                          trust_request_chat_template=args.trust_request_chat_template,
                          reasoning_parser=args.reasoning_parser, served_model_name=args.served_model_name,
-                         allowed_origins=tuple(args.allowed_origins), log_stats=not args.disable_log_stats)
+                         allowed_origins=tuple(args.allowed_origins), log_stats=not args.disable_log_stats,
+                         log_requests=args.enable_log_requests, log_requests_max_len=args.max_log_len)
 
 
 def run_serve(args, config: EngineConfig, api_key: str | None) -> int:

@@ -59,7 +59,7 @@ def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):
     assert "generation_tokens=10" in out and "kv_blocks_used=0" in out
 
 
-def test_vllms_front_door_flags_allowed_origins_and_disable_log_stats(capsys):
+def test_vllms_front_door_flags_cors_and_logging(capsys):
     from pagedserve.serve_command import _server_options
 
     parser = cli.build_parser()
@@ -70,6 +70,9 @@ def test_vllms_front_door_flags_allowed_origins_and_disable_log_stats(capsys):
         assert _server_options(parser.parse_args(["serve"] + flags), None).allowed_origins == origins
     assert _server_options(parser.parse_args(["serve"]), None).log_stats
     assert not _server_options(parser.parse_args(["serve", "--disable-log-stats"]), None).log_stats
+    logged = _server_options(parser.parse_args(["serve", "--enable-log-requests", "--max-log-len", "40"]), None)
+    assert (logged.log_requests, logged.log_requests_max_len) == (True, 40)
+    assert not _server_options(parser.parse_args(["serve", "--disable-log-requests"]), None).log_requests
     with pytest.raises(SystemExit) as info:  # argparse's refusal, before anything starts
         cli.main(["serve", "--allowed-origins", '{"a": 1}'])
     assert info.value.code == 2

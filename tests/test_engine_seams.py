@@ -292,3 +292,37 @@ def test_stats_between_steps_see_added_and_aborted_requests(bundled_tokenizer):
     engine.refresh_stats()
     stats = engine.stats()
     assert stats["num_requests_running"] == 1 and stats["requests_finished_abort"] == 1
+
+
+def test_requests_are_logged_as_they_arrive_and_end_when_asked(bundled_tokenizer, capsys):
+    import asyncio
+    import logging
+
+    from coordinator import request_log
+    from coordinator.async_engine import AsyncEngine
+
+    async def serve():
+        engine = AsyncEngine(fake_engine(bundled_tokenizer), max_queued_requests=8)
+        engine.start()
+        async for _ in engine.generate("quiet", None, SamplingParams(max_tokens=2), "before"):
+            pass
+        request_log.enable(max_len=12)
+        async for _ in engine.generate("a prompt longer than twelve characters", None,
+                                       SamplingParams(max_tokens=3, ignore_eos=True), "r1"):
+            pass
+        stream = engine.generate(None, [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), "r2")
+        await anext(stream)
+        await stream.aclose()  # the client left: aborted
+        await engine.stop()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        logging.getLogger("pagedserve.requests").handlers.clear()  # the next tests log nothing
+    lines = [line for line in capsys.readouterr().err.splitlines() if "request" in line]
+    assert not any("before" in line for line in lines)  # off until enabled
+    assert "Received request r1: prompt: 'a prompt lon...'" in lines[0] and "max_tokens=3" in lines[0]
+    assert "Finished request r1: length, 3 tokens generated" in lines[1]
+    shown = bundled_tokenizer.decode([5, 6, 7])[:12] + "..."  # token ids are shown decoded
+    assert f"Received request r2: prompt: {shown!r}, 3 prompt tokens" in lines[2]
+    assert "Finished request r2: aborted" in lines[3]
