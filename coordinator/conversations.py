@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.openai_protocol import _Body
 from coordinator.response_items import InvalidField, copy_item, input_messages, new_id, stored_items
 
 ITEMS_PER_CALL = 20  # OpenAI's limit on the items one call adds
+MAX_ITEMS = 2048  # per conversation: memory stays bounded (its prompt would outgrow any context first)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits on metadata
 
 
@@ -52,10 +54,12 @@ def check_metadata(metadata: dict | None) -> dict:
     return dict(metadata)
 
 
-def checked_items(items: list[dict]) -> list[dict]:
+def checked_items(items: list[dict], allow_empty: bool = False) -> list[dict]:
     """Items a call adds, as stored; InvalidField naming `items` (nothing stored) for bad ones."""
     if len(items) > ITEMS_PER_CALL:
         raise InvalidField("items", f"items: at most {ITEMS_PER_CALL} items at a time; got {len(items)}")
+    if not items and not allow_empty:
+        raise InvalidField("items", "items must hold at least one item")
     return stored_items(items, "items")
 
 
@@ -67,16 +71,41 @@ class Conversation:
         self.created_at = int(time.time())
         self.metadata = metadata
         self.items: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._running: Callable[[], bool] | None = None  # whether the response it waits for still runs
 
     def object(self) -> dict:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at,
                 "metadata": dict(self.metadata)}
 
-    def add(self, items: list[dict]) -> list[dict]:
-        """Append stored items (stored_items'); returns them."""
+    def add(self, items: list[dict], field: str | None = "items") -> list[dict]:
+        """Append stored items (stored_items'); returns them. InvalidField naming `field` (nothing
+        added) past MAX_ITEMS; None: a finished response's turn, checked when it began."""
+        if field is not None:
+            self.check_room(len(items), field)
         for item in items:
             self.items[item["id"]] = item
         return items
+
+    def check_room(self, more: int, field: str) -> None:
+        if len(self.items) + more > MAX_ITEMS:
+            raise InvalidField(field, f"{field}: conversation {self.id!r} holds {len(self.items)} items and may hold "
+                                      f"at most {MAX_ITEMS}; start a new conversation")
+
+    def lock(self, running: Callable[[], bool]) -> None:
+        """Claim the conversation for one response until `running()` turns False (as OpenAI's, a
+        conversation takes one response at a time: each one's history is the one before it);
+        ValueError naming `conversation` while another one holds it."""
+        if self._running is not None and self._running():
+            raise ValueError(f"conversation {self.id!r} is locked: another response is running in it; send the "
+                             "next one when it has finished (or cancel it)")
+        self._running = running
+
+    def hold(self, running: Callable[[], bool]) -> None:
+        """The lock's holder now runs while `running()` (its reply admitted, or queued)."""
+        self._running = running
+
+    def unlock(self) -> None:
+        self._running = None
 
     def item(self, item_id: str) -> dict | None:
         item = self.items.get(item_id)
@@ -98,7 +127,7 @@ class ConversationStore:
     def create(self, items: list[dict] | None, metadata: dict | None) -> Conversation:
         """A new conversation; InvalidField (nothing created) for bad items or metadata."""
         conversation = Conversation(check_metadata(metadata))
-        conversation.add(checked_items(items or []))
+        conversation.add(checked_items(items or [], allow_empty=True))
         self._conversations[conversation.id] = conversation
         while len(self._conversations) > self.capacity:
             self._conversations.popitem(last=False)

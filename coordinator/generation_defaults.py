@@ -56,6 +56,18 @@ def check_override(override: dict | None) -> None:
                              f"use {', '.join(SAMPLING_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"override_generation_config.{key} must be a number; got {value!r}")
+    _check_sampling({SAMPLING_KEYS[key]: value for key, value in (override or {}).items()},
+                    "override_generation_config")
+
+
+def _check_sampling(sampling: dict, source: str) -> None:
+    """ValueError naming `source` for defaults every request would be refused for."""
+    from coordinator.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise ValueError(f"{source}: its defaults are not valid sampling settings: {e}") from None
 
 
 def load_generation_defaults(mode: str, override: dict | None, model_directory: str,
@@ -81,8 +93,10 @@ def load_generation_defaults(mode: str, override: dict | None, model_directory: 
     sampling = {} if mode == "vllm" else {
         SAMPLING_KEYS[key]: value for key, value in values.items()
         if key in SAMPLING_KEYS and value is not None and value != _TRANSFORMERS_DEFAULTS[key]}
+    _check_sampling(sampling, f"generation_config: {path}")
     check_override(override)
     sampling.update({SAMPLING_KEYS[key]: value for key, value in (override or {}).items()})
+    _check_sampling(sampling, "override_generation_config")
     eos = values.get("eos_token_id")
     eos_ids = frozenset([eos] if isinstance(eos, int) else [e for e in eos or [] if isinstance(e, int)])
     return GenerationDefaults(sampling, eos_ids, path or "")

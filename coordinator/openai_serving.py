@@ -87,6 +87,10 @@ class RequestGroup:
                 finals[i] = out
         return [finals[i] for i in sorted(finals)]
 
+    def running(self) -> bool:
+        """Whether a request of the group still runs in the engine."""
+        return any(not pump.done() for pump in self._pumps)
+
     def close(self) -> None:
         for pump in self._pumps:
             pump.cancel()  # the stream it reads aborts its request on the way out
@@ -158,7 +162,8 @@ class OpenAIServing:
                                          self.request_timeout, req.chat_options(), req.max_tokens_field())
         fmt = ChatFormat(params.n, params.logprobs, tools, self.reasoning,
                          reasoning.starts_inside(params, group.prompt_token_ids[0]),
-                         token_bytes_of(engine.llm_engine.tokenizer), bool(req.return_token_ids),
+                         token_bytes_of(engine.llm_engine.tokenizer) if params.logprobs is not None else None,
+                         bool(req.return_token_ids),
                          bool(req.return_tokens_as_token_ids))
         prompt_ids = {"prompt_token_ids": list(group.prompt_token_ids[0])} if req.return_token_ids else {}
         if req.stream:

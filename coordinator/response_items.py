@@ -47,8 +47,12 @@ def input_messages(items: str | list[dict], field: str = "input", allow_empty: b
                 raise ValueError(f"{where}.call_id is required: a string")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text_of(item.get("output"), f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not part of the prompt
+        elif kind == "reasoning":  # earlier reasoning is not part of the prompt, but is kept: checked
+            for key in ("summary", "content"):
+                parts = item.get(key)
+                if parts is not None and not (isinstance(parts, list) and all(
+                        isinstance(part, dict) and isinstance(part.get("text"), str) for part in parts)):
+                    raise ValueError(f"{where}.{key} must be a list of text parts ({{\"text\": ...}})")
         else:
             raise ValueError(f"{where}.type {kind!r} is not supported by this server; send message, "
                              "function_call, function_call_output or reasoning items")
@@ -102,7 +106,8 @@ def _stored(item: dict) -> dict:
     if kind == "function_call_output":
         return {"type": kind, "id": new_id("fco"), "status": status, "call_id": item["call_id"],
                 "output": item["output"]}
-    return {**item, "id": new_id("rs")}  # reasoning
+    return {"type": kind, "id": new_id("rs"), "status": status, "summary": [dict(p) for p in item.get("summary") or []],
+            "content": [dict(p) for p in item.get("content") or []]}  # reasoning
 
 
 def new_id(prefix: str) -> str:
@@ -128,6 +133,6 @@ def item_page(items: list[dict], after: str | None, limit: int, order: str) -> d
 
 
 def copy_item(item: dict) -> dict:
-    return {**item, "content": [dict(part) for part in item["content"]]} if "content" in item else dict(item)
+    return {**item, "content": [dict(part) for part in item["content"] or []]} if "content" in item else dict(item)
 
 

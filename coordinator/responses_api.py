@@ -45,7 +45,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] | None = None  # optional with a conversation: its items are the prompt
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
@@ -127,7 +127,11 @@ class ResponsesRequest(_Body):
         ValueError naming this request's field for what does not map."""
         self.check_supported()
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
-        messages += input_messages(self.input)
+        if self.input is None and self.conversation is None:
+            raise ValueError("input is required (only a response in a conversation may leave it out)")
+        messages += input_messages(self.input or [], allow_empty=True)
+        if len(messages) == bool(self.instructions):
+            raise ValueError("input must hold at least one message (or the conversation must hold one)")
         kwargs = dict(self.chat_template_kwargs or {})
         effort = (self.reasoning or {}).get("effort")
         if effort is not None:
@@ -391,18 +395,35 @@ class ResponsesServing:
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
         params = reasoning.constrain_after(chat.sampling_params(tools, engine.llm_engine.generation_defaults))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-                "model": self.model_name, **req.echo()}
-        turn = _Turn(head, req, chat.conversation(), stored_items(req.input, "input"), conversation, engine)
+                "model": self.model_name, **req.echo(), "temperature": params.temperature, "top_p": params.top_p}
+        turn = _Turn(head, req, chat.conversation(), stored_items(req.input or [], "input"), conversation, engine)
         field = "max_output_tokens" if req.max_output_tokens is not None else None
+        if conversation is None:
+            return await self._start(turn, chat, tools, reasoning, params, field)
+        conversation.check_room(len(turn.inputs) + 1, "conversation")
+        conversation.lock(lambda: True)  # until the reply runs, then while it runs
+        try:
+            return await self._start(turn, chat, tools, reasoning, params, field)
+        except BaseException:
+            conversation.unlock()
+            raise
+
+    async def _start(self, turn: _Turn, chat: ChatCompletionRequest, tools, reasoning: ReasoningTags, params,
+                     field: str | None) -> dict | ChunkStream:
+        """The response admitted (or queued, in the background): its object or its stream."""
+        engine, req, head, conversation = turn.engine, turn.req, turn.head, turn.conversation
 
         async def admit(token_ids: list[int] | None = None) -> tuple[RequestGroup, ChatFormat]:
             """`token_ids`: the conversation already checked and rendered (a background one's)."""
             prompt = (None, None, turn.messages) if token_ids is None else (None, token_ids, None)
             group = await RequestGroup.admit(engine, [prompt], params, head["id"], req.priority or 0,
                                              self.request_timeout, chat.chat_options(), field)
+            if conversation is not None and not req.background:
+                conversation.hold(group.running)
             return group, ChatFormat(1, params.logprobs, tools, self.reasoning,
                                      reasoning.starts_inside(params, group.prompt_token_ids[0]),
-                                     token_bytes_of(engine.llm_engine.tokenizer))
+                                     token_bytes_of(engine.llm_engine.tokenizer) if params.logprobs is not None
+                                     else None)
 
         if req.background:
             # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.
@@ -421,12 +442,18 @@ class ResponsesServing:
                 async for event in self._events(group, fmt, OutputItems(), turn, announced=True):
                     events.append(event)
 
+            if conversation is not None:  # held until the background reply has an end state
+                conversation.hold(lambda: self._unfinished(head["id"]))
             queued = self.background.start(head, reply, events, turn.inputs)
             return queued if events is None else Replay(events, -1)
         group, fmt = await admit()
         if req.stream:
             return ChunkStream(group, self._events(group, fmt, OutputItems(), turn))
         return await self._whole(group, fmt, turn)
+
+    def _unfinished(self, response_id: str) -> bool:
+        stored = self.store.get(response_id)  # None: deleted, or evicted
+        return stored is not None and stored[0]["status"] in ("queued", "in_progress")
 
     async def _whole(self, group: RequestGroup, fmt: ChatFormat, turn: _Turn) -> dict:
         """The finished Response of an admitted request, not streamed (stored unless store=false)."""
@@ -479,7 +506,7 @@ class ResponsesServing:
                     "output": [copy_item(i) for i in items.items], "usage": _usage(final, reasoning_tokens),
                     "completed_at": int(time.time()) if complete else None}
         if turn.conversation is not None:
-            turn.conversation.add(turn.inputs + [copy_item(i) for i in items.items])
+            turn.conversation.add(turn.inputs + [copy_item(i) for i in items.items], field=None)
         if turn.req.store is not False:
             history = turn.messages[1:] if turn.req.instructions else turn.messages  # instructions: one turn only
             self.store.put(response, history + [items.assistant_message()], turn.inputs)

@@ -13,7 +13,17 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-DEFAULT_INTERVAL_S = float(os.environ.get("PAGEDSERVE_LOG_STATS_INTERVAL", "10"))  # vLLM's default period
+def _interval_from_env(default: float = 10.0) -> float:
+    """PAGEDSERVE_LOG_STATS_INTERVAL's seconds (vLLM's default period without it, or for one that is
+    not a number >= 0.1: a tight loop would slow the event loop that serves requests)."""
+    try:
+        value = float(os.environ.get("PAGEDSERVE_LOG_STATS_INTERVAL", default))
+    except ValueError:
+        return default
+    return value if value >= 0.1 else default
+
+
+DEFAULT_INTERVAL_S = _interval_from_env()
 
 log = logging.getLogger("pagedserve.stats")
 

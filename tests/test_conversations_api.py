@@ -149,6 +149,9 @@ def _refused(server, method: str, path: str, body: dict | None = None) -> tuple[
 
 @pytest.mark.parametrize("method,path,body,param", [
     ("POST", "/conversations", {"items": [{"type": "message", "role": "robot", "content": "x"}]}, "items"),
+    ("POST", "/conversations", {"items": [{"type": "reasoning", "content": None, "summary": "not a list"}]}, "items"),
+    ("POST", "/conversations", {"items": [{"type": "reasoning", "content": [3]}]}, "items"),
+    ("POST", "/responses", {"model": None}, "input"),
     ("POST", "/conversations", {"items": [{"type": "message", "role": "user", "content": "x"}] * 21}, "items"),
     ("POST", "/conversations", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ("POST", "/conversations", {"metadata": {"k": 1}}, "metadata"),
@@ -171,7 +174,59 @@ def test_refusals_name_their_field_and_change_nothing(client, server, method, pa
     assert (code, error["param"]) == (400, "items") and "items[1].call_id" in error["message"]
     code, error = _refused(server, "GET", f"/conversations/{conversation.id}/items?limit=0")
     assert (code, error["param"]) == (400, "limit")
+    code, error = _refused(server, "POST", f"/conversations/{conversation.id}/items", {"items": []})
+    assert (code, error["param"]) == (400, "items")
     assert _texts(client.conversations.items.list(conversation.id).data) == [("user", "Kept.")]  # the valid one too
+
+
+def test_reasoning_and_function_call_items_round_trip_and_input_may_be_left_out(client, server):
+    conversation = client.conversations.create(items=[
+        {"type": "message", "role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "call the tool"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    listed = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "reasoning", "function_call", "function_call_output"]
+    assert listed[1].summary[0].text == "call the tool" and listed[3].output == "sunny"
+    # no input: the conversation's items are the whole prompt (the tool's result is the last turn)
+    reply = client.responses.create(model=server.model, conversation=conversation.id, max_output_tokens=4, **GREEDY)
+    assert reply.status == "incomplete" and reply.output_text
+    items = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert len(items) == 5 and items[-1].role == "assistant"
+
+
+def test_one_response_at_a_time_runs_in_a_conversation(client, server):
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi"}])
+    running = client.responses.create(model=server.model, conversation=conversation.id, input="Go on",
+                                      max_output_tokens=500, background=True, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as info:  # its history would be the turn before this one
+        client.responses.create(model=server.model, conversation=conversation.id, input="And?", max_output_tokens=2)
+    assert info.value.body["param"] == "conversation" and "locked" in info.value.body["message"]
+    assert client.responses.cancel(running.id).status == "cancelled"
+    after = client.responses.create(model=server.model, conversation=conversation.id, input="And?",
+                                    max_output_tokens=2, **GREEDY)  # free again once it ended
+    items = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert _texts(items) == [("user", "Hi"), ("user", "And?"), ("assistant", after.output_text)]  # no cancelled turn
+    # a client that leaves a stream frees the conversation too
+    stream = client.responses.create(model=server.model, conversation=conversation.id, input="More",
+                                     max_output_tokens=300, stream=True, **GREEDY)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.responses.create(model=server.model, conversation=conversation.id, input="Last",
+                                    max_output_tokens=1, **GREEDY)
+            break
+        except openai.BadRequestError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_the_response_echoes_the_sampling_it_used(client, server):
+    response = client.responses.create(model=server.model, input="Hi", max_output_tokens=1, top_p=0.5,
+                                       temperature=0.25)
+    assert (response.temperature, response.top_p) == (0.25, 0.5)
 
 
 def test_nothing_is_left_holding_a_block(server):

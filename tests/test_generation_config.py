@@ -55,9 +55,15 @@ def test_bad_settings_are_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="^generation_config: .* cannot be read as JSON"):
         load_generation_defaults("auto", None, str(tmp_path))
     for override, message in (({"do_sample": True}, "override_generation_config.do_sample is not"),
-                              ({"temperature": "hot"}, "override_generation_config.temperature must be a number")):
+                              ({"temperature": "hot"}, "override_generation_config.temperature must be a number"),
+                              ({"top_p": 0}, "override_generation_config: .* top_p must be in"),
+                              ({"top_k": 2.5}, "override_generation_config: .* top_k must be an integer"),
+                              ({"max_new_tokens": 0}, "override_generation_config: .* max_tokens must be")):
         with pytest.raises(ValueError, match=message):
-            EngineConfig(override_generation_config=override)
+            EngineConfig(override_generation_config=override)  # refused before anything starts
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -0.5}))
+    with pytest.raises(ValueError, match="^generation_config: .* temperature must be >= 0"):
+        load_generation_defaults("auto", None, str(tmp_path))
 
 
 def test_requests_take_the_defaults_for_what_they_leave_unset(tmp_path):
@@ -67,7 +73,6 @@ def test_requests_take_the_defaults_for_what_they_leave_unset(tmp_path):
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     params = chat.sampling_params(None, defaults)
     assert (params.temperature, params.top_k, params.repetition_penalty, params.max_tokens) == (0.6, 20, 1.1, 9)
-    assert chat.max_tokens_field() is None  # the prompt need not leave room for a default length
     own = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0, max_tokens=3)
     assert (own.sampling_params(None, defaults).temperature, own.sampling_params(None, defaults).max_tokens) == (0, 3)
     completion = CompletionRequest(prompt="hi", top_k=5).sampling_params(defaults)
@@ -130,3 +135,13 @@ def test_a_served_request_takes_the_defaults_and_overrides_them(server):
     longer = client.completions.create(model=server.model, prompt="Once", max_tokens=9,
                                        extra_body={"ignore_eos": True})
     assert longer.usage.completion_tokens == 9
+    # the override is applied (the Responses API echoes the sampling it used)
+    assert client.responses.create(model=server.model, input="Hi", max_output_tokens=1).top_p == 0.5
+    # a default length is no promise the prompt must leave room for: 4 tokens fit, the reply ends there
+    max_len = client.models.list().data[0].max_model_len
+    near_full = [5] * (max_len - 4)
+    cut = client.completions.create(model=server.model, prompt=near_full, extra_body={"ignore_eos": True})
+    assert cut.usage.completion_tokens == 4 and cut.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:  # asked for by the client, it is checked
+        client.completions.create(model=server.model, prompt=near_full, max_tokens=6)
+    assert info.value.body["param"] == "max_tokens"
