@@ -23,6 +23,7 @@ stream's typed events. No I/O here beyond the engine; http_server writes the byt
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import time
@@ -69,9 +70,9 @@ class ResponsesRequest(_Body):
     service_tier: str | None = None  # accepted, unused
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None  # a conversation's id, or {"id": ...}
+    max_tool_calls: int | None = None  # a cap on built-in tool calls: this server runs none, so it holds
     # Known, not implemented: refused unless unset
     prompt: Any = None
-    max_tool_calls: int | None = None
     # vLLM's extras (as on the chat endpoint)
     seed: int | None = None
     top_k: int | None = None
@@ -88,15 +89,17 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in ("prompt", "max_tool_calls"):
+        for name in ("prompt",):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by this server; leave it unset")
         self.conversation_id()  # ValueError: malformed, or beside previous_response_id
         if self.background and self.store is False:
             raise ValueError("background requires store=true: a background response is read back from the store")
-        if self.truncation not in (None, "disabled"):
-            raise ValueError(f"truncation must be \"disabled\" (a prompt too long for the model is refused); "
-                             f"got {self.truncation!r}")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise ValueError(f"truncation must be \"disabled\" (a prompt too long for the model is refused) or "
+                             f"\"auto\" (its oldest turns are dropped); got {self.truncation!r}")
+        if self.max_tool_calls is not None and self.max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be an integer >= 0; got {self.max_tool_calls}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be an integer >= 1; got {self.max_output_tokens}")
         unknown = sorted(set(self.text or {}) - {"format"})
@@ -160,7 +163,8 @@ class ResponsesRequest(_Body):
                 "text": {"format": (self.text or {}).get("format") or {"type": "text"}},
                 "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
                 "tools": self.tools or [], "top_logprobs": self.top_logprobs,
-                "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": "disabled", "user": self.user}
+                "top_p": 1.0 if self.top_p is None else self.top_p, "truncation": self.truncation or "disabled",
+                "user": self.user, "max_tool_calls": self.max_tool_calls}
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -362,6 +366,23 @@ def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": counts["total_tokens"]}
 
 
+async def _truncated(engine: AsyncEngine, messages: list[dict], chat_options: dict, room: int) -> list[dict]:
+    """`truncation: "auto"`, as OpenAI's: the oldest turns dropped, whole (from a user message up to
+    the next), the leading system messages kept, until the prompt leaves `room` new tokens in
+    max_model_len; the last turn is kept even if alone it is too long (then refused as usual)."""
+    processor = engine.llm_engine.input_processor
+    loop = asyncio.get_running_loop()
+    while True:
+        ids = await loop.run_in_executor(None, lambda: processor.chat_prompt_ids(messages, **chat_options))
+        if len(ids) + room <= processor.max_model_len:
+            return messages
+        lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        later_user = next((i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"), None)
+        if later_user is None:
+            return messages
+        messages = messages[:lead] + messages[later_user:]
+
+
 @dataclasses.dataclass
 class _Turn:
     """One response being made: what its reply is finished and stored with."""
@@ -396,7 +417,10 @@ class ResponsesServing:
         params = reasoning.constrain_after(chat.sampling_params(tools, engine.llm_engine.generation_defaults))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo(), "temperature": params.temperature, "top_p": params.top_p}
-        turn = _Turn(head, req, chat.conversation(), stored_items(req.input or [], "input"), conversation, engine)
+        messages = chat.conversation()
+        if req.truncation == "auto":
+            messages = await _truncated(engine, messages, chat.chat_options(), req.max_output_tokens or 1)
+        turn = _Turn(head, req, messages, stored_items(req.input or [], "input"), conversation, engine)
         field = "max_output_tokens" if req.max_output_tokens is not None else None
         if conversation is None:
             return await self._start(turn, chat, tools, reasoning, params, field)

@@ -223,6 +223,37 @@ def test_one_response_at_a_time_runs_in_a_conversation(client, server):
             time.sleep(0.05)
 
 
+def test_truncation_auto_drops_the_oldest_turns_to_fit(client, server):
+    max_len = client.models.list().data[0].max_model_len
+    long_text = "lorem ipsum dolor sit amet " * (max_len // 20)  # ~1/4 of the context per message
+    turns = [{"type": "message", "role": "system", "content": "Be brief."}]
+    for k in range(3):
+        turns += [{"type": "message", "role": "user", "content": f"{k}: {long_text}"},
+                  {"type": "message", "role": "assistant", "content": f"{k}: {long_text}"}]
+    conversation = client.conversations.create(items=turns)
+    with pytest.raises(openai.BadRequestError):  # too long for the model: refused, as by default
+        client.responses.create(model=server.model, conversation=conversation.id, input="Sum up.",
+                                max_output_tokens=8)
+    cut = client.responses.create(model=server.model, conversation=conversation.id, input="Sum up.",
+                                  max_output_tokens=8, truncation="auto", **GREEDY)
+    assert cut.truncation == "auto" and cut.usage.input_tokens + 8 <= max_len
+    # the oldest whole turns went, the system message stayed: the reply is chat's over what is left
+    kept = [{"role": "system", "content": "Be brief."}]
+    for k in range(3):
+        kept += [{"role": "user", "content": f"{k}: {long_text}"},
+                 {"role": "assistant", "content": f"{k}: {long_text}"}]
+    kept.append({"role": "user", "content": "Sum up."})
+    while True:
+        try:
+            expected = _chat_text(client, server, kept, 8)
+            break
+        except openai.BadRequestError:
+            kept = kept[:1] + kept[3:]  # a whole turn: its user and assistant messages
+    assert cut.output_text == expected and len(kept) < 8
+    capped = client.responses.create(model=server.model, input="x", max_tool_calls=3, max_output_tokens=1)
+    assert capped.max_tool_calls == 3
+
+
 def test_the_response_echoes_the_sampling_it_used(client, server):
     response = client.responses.create(model=server.model, input="Hi", max_output_tokens=1, top_p=0.5,
                                        temperature=0.25)
