@@ -11,13 +11,14 @@ import logging
 from coordinator.stats_logger import to_stderr
 
 log = logging.getLogger("pagedserve.requests")
-_max_len: list[int | None] = [None]
+_max_len: int | None = None  # characters of a prompt a line shows (None: all)
 
 
 def enable(max_len: int | None = None) -> None:
     """Log every request from now on (this process); `max_len`: characters of a prompt shown."""
+    global _max_len
     to_stderr(log)
-    _max_len[0] = max_len
+    _max_len = max_len
 
 
 def enabled() -> bool:
@@ -25,9 +26,9 @@ def enabled() -> bool:
 
 
 def received(request_id: str, prompt: str, token_ids: list[int], params) -> None:
-    shown, limit = prompt, _max_len[0]
-    if limit is not None and len(shown) > limit:
-        shown = shown[:limit] + "..."
+    shown = prompt
+    if _max_len is not None and len(shown) > _max_len:
+        shown = shown[:_max_len] + "..."
     log.info("Received request %s: prompt: %r, %d prompt tokens, params: %s", request_id, shown, len(token_ids),
              params)
 

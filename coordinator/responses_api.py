@@ -366,20 +366,22 @@ def _usage(final: RequestOutput, reasoning_tokens: int) -> dict:
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": counts["total_tokens"]}
 
 
-async def _truncated(engine: AsyncEngine, messages: list[dict], chat_options: dict, room: int) -> list[dict]:
+async def _truncated(engine: AsyncEngine, messages: list[dict], chat_options: dict,
+                     room: int) -> tuple[list[dict], list[int]]:
     """`truncation: "auto"`, as OpenAI's: the oldest turns dropped, whole (from a user message up to
     the next), the leading system messages kept, until the prompt leaves `room` new tokens in
-    max_model_len; the last turn is kept even if alone it is too long (then refused as usual)."""
+    max_model_len; the last turn is kept even if alone it is too long (then refused as usual).
+    Returns the messages kept and their rendered token ids (admitted as they are: no second render)."""
     processor = engine.llm_engine.input_processor
     loop = asyncio.get_running_loop()
     while True:
         ids = await loop.run_in_executor(None, lambda: processor.chat_prompt_ids(messages, **chat_options))
         if len(ids) + room <= processor.max_model_len:
-            return messages
+            return messages, ids
         lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         later_user = next((i for i in range(lead + 1, len(messages)) if messages[i]["role"] == "user"), None)
         if later_user is None:
-            return messages
+            return messages, ids
         messages = messages[:lead] + messages[later_user:]
 
 
@@ -392,6 +394,7 @@ class _Turn:
     inputs: list[dict]  # the request's input items as stored and listed
     conversation: Conversation | None  # the conversation it reads and extends
     engine: AsyncEngine
+    rendered: list[int] | None = None  # `messages` already rendered to token ids (truncation did it)
 
 
 class ResponsesServing:
@@ -417,10 +420,10 @@ class ResponsesServing:
         params = reasoning.constrain_after(chat.sampling_params(tools, engine.llm_engine.generation_defaults))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo(), "temperature": params.temperature, "top_p": params.top_p}
-        messages = chat.conversation()
+        messages, rendered = chat.conversation(), None
         if req.truncation == "auto":
-            messages = await _truncated(engine, messages, chat.chat_options(), req.max_output_tokens or 1)
-        turn = _Turn(head, req, messages, stored_items(req.input or [], "input"), conversation, engine)
+            messages, rendered = await _truncated(engine, messages, chat.chat_options(), req.max_output_tokens or 1)
+        turn = _Turn(head, req, messages, stored_items(req.input or [], "input"), conversation, engine, rendered)
         field = "max_output_tokens" if req.max_output_tokens is not None else None
         if conversation is None:
             return await self._start(turn, chat, tools, reasoning, params, field)
@@ -438,7 +441,8 @@ class ResponsesServing:
         engine, req, head, conversation = turn.engine, turn.req, turn.head, turn.conversation
 
         async def admit(token_ids: list[int] | None = None) -> tuple[RequestGroup, ChatFormat]:
-            """`token_ids`: the conversation already checked and rendered (a background one's)."""
+            """`token_ids`: the conversation already rendered (a background one's, checked; a
+            truncated one's)."""
             prompt = (None, None, turn.messages) if token_ids is None else (None, token_ids, None)
             group = await RequestGroup.admit(engine, [prompt], params, head["id"], req.priority or 0,
                                              self.request_timeout, chat.chat_options(), field)
@@ -452,8 +456,8 @@ class ResponsesServing:
         if req.background:
             # Refusals (a prompt too long, a full queue) answer the POST; the reply runs on alone.
             engine.check_accepting(head["id"])
-            token_ids = await engine.check_input(None, None, params, req.priority or 0, turn.messages,
-                                                 chat.chat_options(), field)
+            token_ids = await engine.check_input(None, turn.rendered, params, req.priority or 0,
+                                                 None if turn.rendered else turn.messages, chat.chat_options(), field)
             events = EventLog() if req.stream else None
 
             async def reply(started) -> None:
@@ -470,7 +474,7 @@ class ResponsesServing:
                 conversation.hold(lambda: self._unfinished(head["id"]))
             queued = self.background.start(head, reply, events, turn.inputs)
             return queued if events is None else Replay(events, -1)
-        group, fmt = await admit()
+        group, fmt = await admit(turn.rendered)
         if req.stream:
             return ChunkStream(group, self._events(group, fmt, OutputItems(), turn))
         return await self._whole(group, fmt, turn)

@@ -250,6 +250,12 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(client, server):
         except openai.BadRequestError:
             kept = kept[:1] + kept[3:]  # a whole turn: its user and assistant messages
     assert cut.output_text == expected and len(kept) < 8
+    queued = client.responses.create(model=server.model, conversation=conversation.id, input="Again.",
+                                     max_output_tokens=8, truncation="auto", background=True, **GREEDY)
+    deadline = time.monotonic() + 60  # truncated in the background too (untruncated, the POST is a 400)
+    while client.responses.retrieve(queued.id).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.responses.retrieve(queued.id).status == "incomplete"
     capped = client.responses.create(model=server.model, input="x", max_tool_calls=3, max_output_tokens=1)
     assert capped.max_tool_calls == 3
 

@@ -76,6 +76,18 @@ def _decode_program(q_ptr, rows_ptr, context_lens_ptr, stride_qt, stride_qh, NUM
 
 
 @triton.jit
+def _softmax_step(qk, n_ok, m_i, l_i):
+    """One tile of a decode's running softmax: the tile's scores `qk` [rows, BLOCK_N] (positions
+    past the context masked by `n_ok`) against the running max `m_i` and sum `l_i`. Returns the
+    tile's weights, the factor rescaling what was summed before, and the new max and sum."""
+    qk = tl.where(n_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
                     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A split's unnormalized output and (max, sum) for the combine: part_acc [decodes, heads,
@@ -153,13 +165,8 @@ def _decode_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, rows
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [REP_PAD, BLOCK_N]
-        qk = tl.where(n_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, n_ok, m_i, l_i)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
     _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
                     NUM_HEADS, NUM_SPLITS, HEAD_DIM)
 
@@ -188,13 +195,8 @@ def _decode_dot_kernel(q_ptr, cache_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP, BLOCK_N]
-        qk = tl.where(n_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(qk, n_ok, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
     _store_partials(part_acc_ptr, part_ml_ptr, acc, m_i, l_i, i, heads, r_ok, split, d, d_ok,
                     NUM_HEADS, NUM_SPLITS, HEAD_DIM)
 
