@@ -15,6 +15,7 @@ import pytest
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from workers import fault_hook
 from workers.executor import WorkerFailedError
+from workers.ray_executor import STEP_CHANNEL_ENV
 
 PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 20 + 9 * i)) for i in range(4)]
 MAX_TOKENS = 24
@@ -60,11 +61,18 @@ def _assert_all_free(llm: LLM) -> None:
     assert stats["kv_blocks_used"] == 0 and not llm.engine.scheduler.groups
 
 
-@pytest.mark.parametrize("tp, rank, after_steps", [(1, 0, 6), (1, 0, 1), (2, 1, 6)],
-                         ids=["tp1-mid-decode", "tp1-mid-prefill", "tp2-rank1-mid-decode"])
+@pytest.mark.parametrize("tp, rank, after_steps, channel", [(1, 0, 6, True), (1, 0, 1, True), (2, 1, 6, True),
+                                                         (2, 1, 6, False)],
+                         ids=["tp1-mid-decode", "tp1-mid-prefill", "tp2-rank1-mid-decode",
+                              "tp2-rank1-mid-decode-ray-calls"])
 def test_sigkilled_worker_is_replaced_and_every_request_resumes_with_the_same_tokens(
-        ray_session, tiny_llama, fault_free, tp, rank, after_steps):
+        ray_session, tiny_llama, fault_free, monkeypatch, tp, rank, after_steps, channel):
+    """`channel`: steps go over the step channel (workers/step_channel.py), as by default, or as
+    Ray actor calls (PAGEDSERVE_STEP_CHANNEL=0)."""
+    if not channel:
+        monkeypatch.setenv(STEP_CHANNEL_ENV, "0")
     with LLM(tiny_llama, distributed_executor_backend="ray", tensor_parallel_size=tp, **ENGINE) as llm:
+        assert (llm.engine.executor.channel is not None) == channel
         old, spares = llm.engine.executor.worker_pids(), llm.engine.executor.spare_pids()
         got = _run_with_fault(llm, lambda pid: os.kill(pid, signal.SIGKILL), after_steps, rank)
         assert got == fault_free  # greedy and seeded n=2: no token lost, repeated or changed
