@@ -103,6 +103,23 @@ def test_hung_worker_is_caught_by_the_step_timeout_and_replaced(ray_session, tin
         _assert_all_free(llm)
 
 
+def test_a_rank_ray_holds_dead_is_replaced_though_its_channel_still_answers(ray_session, tiny_llama, fault_free):
+    """A worker on a node Ray lost (its raylet gone) may run on and answer the step channel; Ray's
+    word wins, as it did when steps were Ray calls: the group is rebuilt and every request resumes."""
+    import ray
+
+    with LLM(tiny_llama, distributed_executor_backend="ray", **ENGINE) as llm:
+        def ray_reports_it_gone(pid):
+            executor = llm.engine.executor
+            executor._serving = [ray.put("ended")]  # the rank's serving task, as Ray ends a lost worker's
+            executor._liveness_checked = 0.0  # asked at the next step, not up to a second later
+
+        got = _run_with_fault(llm, ray_reports_it_gone)
+        assert got == fault_free
+        assert llm.stats()["worker_restarts_death"] == 1
+        _assert_all_free(llm)
+
+
 def test_a_crash_loop_ends_in_a_clean_fail_stop(ray_session, tiny_llama):
     with LLM(tiny_llama, distributed_executor_backend="ray", max_worker_restarts=1, **ENGINE) as llm:
         engine = llm.engine

@@ -44,6 +44,7 @@ PLACEMENT_TIMEOUT_S = 120
 # "0": the executor's calls go as Ray actor calls, not over the step channel (to measure one
 # against the other, or to rule the channel out).
 STEP_CHANNEL_ENV = "PAGEDSERVE_STEP_CHANNEL"
+LIVENESS_CHECK_S = 1.0
 
 
 class _Importer:
@@ -203,12 +204,12 @@ class RayExecutor(Executor):
         self.step_timeout = config.step_timeout
         self.placement_group = None
         self.workers: list = []
-        self._pids: list[int] = []
         self._spares: list = []
         self._spares_warm: list = []  # ObjectRefs of the spares' `warm` calls
         self.channel: StepChannel | None = None  # None: every call goes through Ray
         self._serving: list = []  # ObjectRefs of the workers' serve_step_channel tasks
         self._channel_lock = threading.Lock()  # one call on the channel at a time
+        self._liveness_checked = 0.0  # when execute last asked Ray whether every rank lives
         taken = previous.take_spares() if isinstance(previous, RayExecutor) else None
         if previous is not None:
             previous.shutdown()
@@ -234,7 +235,6 @@ class RayExecutor(Executor):
             config_dict = dataclasses.asdict(config)
             ray.get([w.setup.remote(config_dict, source, max_model_len, rank, size, address, config_ref)
                      for rank, w in enumerate(self.workers)])
-            self._pids = ray.get([w.pid.remote() for w in self.workers])
             if os.environ.get(STEP_CHANNEL_ENV, "1") != "0":
                 self._open_channel()
         except ray.exceptions.RayActorError as e:  # a new worker died while it started
@@ -304,6 +304,18 @@ class RayExecutor(Executor):
         self.channel = StepChannel([address for address, _ in opened], [token for _, token in opened],
                                    alive=self._gone_rank)
 
+    def _check_liveness(self) -> None:
+        """Raises for a rank Ray holds dead, asked at most once a second. A worker on a node that
+        Ray lost (its raylet gone) may run on and answer its channel; Ray has already given up on
+        it, and so must the engine, which rebuilds the group where Ray can still place it."""
+        now = time.monotonic()
+        if now - self._liveness_checked < LIVENESS_CHECK_S:
+            return
+        self._liveness_checked = now
+        gone = self._gone_rank()
+        if gone is not None:
+            raise WorkerFailedError(f"Ray reports rank {gone}'s worker gone", cause="death")
+
     def _gone_rank(self) -> int | None:
         """A rank whose serving task ended (Ray saw its worker die, or it stopped serving)."""
         done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=0)
@@ -328,6 +340,7 @@ class RayExecutor(Executor):
         within step_timeout counts as a hang."""
         if self.channel is not None:
             with self._channel_lock:
+                self._check_liveness()
                 try:
                     return merge_rank_outputs(self.channel.call("execute", (plan,), timeout=self.step_timeout))
                 except ChannelTimeout as e:
@@ -362,7 +375,7 @@ class RayExecutor(Executor):
         return len(set(ray.get([w.node_id.remote() for w in self.workers]))) > 1
 
     def worker_pids(self) -> list[int]:
-        return list(self._pids) if self.workers else []
+        return ray.get([w.pid.remote() for w in self.workers])  # a control method: answered while serving
 
     def spare_pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self._spares])
