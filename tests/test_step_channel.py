@@ -73,7 +73,7 @@ def test_calls_reach_every_rank_and_results_come_back_in_rank_order():
         channel.close()
 
 
-def test_an_error_raised_by_a_method_passes_as_it_is_and_the_channel_goes_on():
+def test_an_error_raised_by_a_method_passes_as_it_is():
     workers, channel = connect(2)
     try:
         with pytest.raises(ValueError, match="bad value 3") as info:
@@ -169,8 +169,61 @@ def test_a_peer_that_never_replies_after_an_error_breaks_the_channel():
     try:
         with pytest.raises(ValueError):
             channel.call("step", (1,))
-        with pytest.raises(ChannelClosed, match="did not reply"):
+        with pytest.raises(ChannelClosed, match="did not reply after rank 1 raised") as info:
             channel.call("ok", ())  # a reply could now be any call's: refused, as a death
+        assert info.value.rank == 1
     finally:
         workers[0].release.set()
+        channel.close()
+
+
+def test_a_caller_that_gives_the_group_up_does_not_wait_for_the_peers_of_a_failed_rank():
+    workers, channel = connect(2)
+    workers[0].act_as["step"] = "block"
+    workers[1].act_as["step"] = "fail"
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError):
+            channel.call("step", (1,), timeout=30, drain_after_error=0)
+        assert time.monotonic() - start < 1.5  # not the default drain of DRAIN_AFTER_ERROR_S
+        with pytest.raises(ChannelClosed):
+            channel.call("ok", ())
+    finally:
+        workers[0].release.set()
+        channel.close()
+
+
+def test_a_call_cut_short_by_an_interrupt_leaves_the_channel_refusing_calls():
+    """Its replies may still arrive: a next call must not take them for its own."""
+    interrupt = [False]
+
+    def alive():
+        if interrupt[0]:
+            raise KeyboardInterrupt
+        return None
+
+    workers, channel = connect(1, alive=alive)
+    try:
+        interrupt[0] = True
+        with pytest.raises(KeyboardInterrupt):
+            channel.call("sleep", (1.5,))  # the liveness poll after 1 s raises
+        interrupt[0] = False
+        time.sleep(1.0)  # the reply to "sleep" is now waiting in the socket
+        with pytest.raises(ChannelClosed, match="ended before its replies were read"):
+            channel.call("ok", ())
+    finally:
+        channel.close()
+
+
+def test_a_rank_that_raises_beside_a_peer_that_died_is_reported_as_the_death():
+    """A rank's collective fails when its peer is killed: the death is the cause, whichever of the
+    two the executor reads first."""
+    workers, channel = connect(2)
+    workers[0].act_as["step"] = "fail"
+    workers[1].act_as["step"] = "close"
+    try:
+        with pytest.raises(ChannelClosed) as info:
+            channel.call("step", (4,), timeout=10, drain_after_error=2)
+        assert info.value.rank == 1
+    finally:
         channel.close()

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import jsonschema
 import psutil
@@ -118,6 +119,26 @@ def test_a_rank_ray_holds_dead_is_replaced_though_its_channel_still_answers(ray_
         assert got == fault_free
         assert llm.stats()["worker_restarts_death"] == 1
         _assert_all_free(llm)
+
+
+def test_a_step_channel_that_cannot_be_reached_fails_the_start_as_a_worker_death(ray_session, tiny_llama,
+                                                                                 monkeypatch):
+    import ray
+
+    import workers.ray_executor as ray_executor
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(ray_executor, "StepChannel", unreachable)
+    free_cpus = ray.available_resources().get("CPU", 0)
+    with pytest.raises(WorkerFailedError, match="step channel could not be reached") as info:
+        LLM(tiny_llama, distributed_executor_backend="ray", **ENGINE)
+    assert info.value.cause == "death"  # as a worker dying while the group starts: a rebuild may retry it
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < free_cpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == free_cpus  # the group's placement let go
 
 
 def test_a_crash_loop_ends_in_a_clean_fail_stop(ray_session, tiny_llama):

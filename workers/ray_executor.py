@@ -45,6 +45,7 @@ PLACEMENT_TIMEOUT_S = 120
 # against the other, or to rule the channel out).
 STEP_CHANNEL_ENV = "PAGEDSERVE_STEP_CHANNEL"
 LIVENESS_CHECK_S = 1.0
+PEER_DEATH_GRACE_S = 0.5  # after a rank failed a step, how long its peers may take to show a death
 
 
 class _Importer:
@@ -90,6 +91,16 @@ class WorkerActor:
         self.cores = None  # the cores its torch threads are pinned to, if they are
         self._importer = _Importer(lower_priority=False) if preload else None
         self._listener = None  # the step channel, between open_step_channel and serve_step_channel
+        self._setup_thread = None  # the OS thread setup ran on: steps must run on it too
+        self._parent = os.getppid()  # the raylet that started this worker
+
+    def _exit_if_orphaned(self) -> None:
+        """A worker whose raylet died (its node lost to Ray) is ended by Ray's own check within a
+        second; until then it would go on answering the step channel, serving for a node Ray has
+        given up, and a group could even be rebuilt onto such a spare. It ends at once instead:
+        the executor sees a dead worker and rebuilds where Ray can still place it."""
+        if os.getppid() != self._parent:
+            os._exit(1)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a port free right now, for the process group's TCP store."""
@@ -100,7 +111,9 @@ class WorkerActor:
 
     def setup(self, config: dict, source: ModelSource, max_model_len: int, rank: int, size: int,
               address: tuple[str, int], hf_config=None) -> None:
+        self._exit_if_orphaned()
         raise_to_normal_priority()  # before torch's thread pools start: they inherit it
+        self._setup_thread = threading.get_native_id()  # its OpenMP team is the one sized and pinned
         if self._importer is not None:
             self._importer.wait()
         import torch
@@ -148,9 +161,17 @@ class WorkerActor:
     def serve_step_channel(self) -> None:
         """Answer the executor's calls over the channel until it closes it (one long task)."""
         listener, self._listener = self._listener, None
+        if threading.get_native_id() != self._setup_thread:  # a Ray whose default group is no longer one thread
+            listener.close()
+            raise RuntimeError("the step channel would run steps on another thread than setup's: its torch "
+                               "threads would be a new, unpinned OpenMP team")
         connection = listener.accept()
         if connection is not None:
-            serve_channel(connection, lambda method, args: self.call(method, *args))
+            serve_channel(connection, self._serve_call)
+
+    def _serve_call(self, method: str, args: tuple):
+        self._exit_if_orphaned()  # a getppid() a call: well under a microsecond
+        return self.call(method, *args)
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
@@ -299,10 +320,19 @@ class RayExecutor(Executor):
         return taken
 
     def _open_channel(self) -> None:
-        opened = ray.get([w.open_step_channel.remote() for w in self.workers])
+        """Steps over the step channel from now on; Ray calls where a worker cannot listen (a
+        RayTaskError: logged). A rank that cannot be reached once it listens is a failed start."""
+        try:
+            opened = ray.get([w.open_step_channel.remote() for w in self.workers])
+        except ray.exceptions.RayTaskError as e:
+            log.warning("a worker could not open its step channel; steps go as Ray calls: %s", e)
+            return
         self._serving = [w.serve_step_channel.remote() for w in self.workers]
-        self.channel = StepChannel([address for address, _ in opened], [token for _, token in opened],
-                                   alive=self._gone_rank)
+        try:
+            self.channel = StepChannel([address for address, _ in opened], [token for _, token in opened],
+                                       alive=self._gone_rank)
+        except OSError as e:
+            raise WorkerFailedError(f"a worker's step channel could not be reached: {e}", cause="death") from e
 
     def _check_liveness(self) -> None:
         """Raises for a rank Ray holds dead, asked at most once a second. A worker on a node that
@@ -342,7 +372,11 @@ class RayExecutor(Executor):
             with self._channel_lock:
                 self._check_liveness()
                 try:
-                    return merge_rank_outputs(self.channel.call("execute", (plan,), timeout=self.step_timeout))
+                    # A failed step ends the group; its peers get a moment only to show whether
+                    # one of them died (a rank raises in a collective whose peer was killed).
+                    outputs = self.channel.call("execute", (plan,), timeout=self.step_timeout,
+                                                drain_after_error=PEER_DEATH_GRACE_S)
+                    return merge_rank_outputs(outputs)
                 except ChannelTimeout as e:
                     raise WorkerFailedError(f"no step result within step_timeout ({self.step_timeout} s): "
                                             f"a worker hangs ({e})", cause="hang") from e
@@ -365,6 +399,16 @@ class RayExecutor(Executor):
         except ray.exceptions.RayActorError as e:
             raise WorkerFailedError(f"a worker died during a step: {e}", cause="death") from e
         except ray.exceptions.RayError as e:
+            # A rank raises in a collective whose peer was killed, often before Ray reports the
+            # death: a peer's death, if one shows within the grace, is the cause.
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as death:
+                    raise WorkerFailedError(f"a worker died during a step: {death}", cause="death") from death
+                except ray.exceptions.RayError:
+                    pass
             raise WorkerFailedError(f"a worker failed a step: {e}") from e
 
     def node_id(self) -> str:

@@ -10,8 +10,10 @@ channel inside one long Ray task (`WorkerActor.serve_step_channel`), so a proces
 both its socket (seen at once) and that task (Ray's view, which also covers a lost node).
 
 Wire format: each message is an 8-byte big-endian length and a pickle. The executor connects to
-the address the worker names through Ray (authenticated) and must first send the 32 random bytes
-the worker named with it; nothing else is ever unpickled from a connection.
+the address the worker names in its reply to a Ray call, and must first send the 32 random bytes
+named with it: a worker unpickles nothing from a connection that did not. The trust is Ray's own
+(its calls carry pickles too, in plain TCP): the token keeps out whoever can reach the port
+without being part of the cluster.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ACCEPT_TIMEOUT_S = 60.0  # for the executor to connect once the worker listens
 _LIVENESS_POLL_S = 1.0  # how often a wait asks Ray whether the serving tasks still run
 # After one rank raised, how long its peers' replies to the same call are waited for before the
 # channel is given up (a peer waiting in a collective for the failed rank never replies).
-_DRAIN_AFTER_ERROR_S = 2.0
+DRAIN_AFTER_ERROR_S = 2.0
 
 
 class ChannelClosed(ConnectionError):
@@ -72,7 +74,8 @@ class ChannelListener:
     the executor through Ray."""
 
     def __init__(self, host: str):
-        self._sock = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, 0), family=family)
         self.address = (host, self._sock.getsockname()[1])
         self.token = secrets.token_bytes(TOKEN_BYTES)
 
@@ -143,6 +146,7 @@ class StepChannel:
         self._alive = alive
         self._socks: list[socket.socket] = []
         self._broken = ""  # why a call's replies were left unread: the next reply could be any call's
+        self._broken_rank = 0  # the rank that failed then
         try:
             for address, token in zip(addresses, tokens):
                 sock = socket.create_connection(address, timeout=ACCEPT_TIMEOUT_S)
@@ -153,49 +157,69 @@ class StepChannel:
             self.close()
             raise
 
-    def call(self, method: str, args: tuple, timeout: float | None = None) -> list:
+    def call(self, method: str, args: tuple, timeout: float | None = None,
+             drain_after_error: float = DRAIN_AFTER_ERROR_S) -> list:
         """Every rank's result of `method(*args)`. Raises ChannelClosed (a rank's end went away),
         ChannelTimeout (`timeout` seconds passed first) or the exception a rank raised, with the
-        rank and its traceback in a note."""
+        rank and its traceback in a note. After a rank raised, the others get `drain_after_error`
+        seconds to reply to the same call (0: a caller that gives the group up anyway)."""
         if self._broken:
-            raise ChannelClosed(0, self._broken)
+            raise ChannelClosed(self._broken_rank, self._broken)
         message = _frame(pickle.dumps((method, args), protocol=5))
         deadline = None if timeout is None else time.monotonic() + timeout
-        for rank, sock in enumerate(self._socks):
-            sock.settimeout(timeout)  # a stopped worker whose buffer is full must not block us for good
-            try:
-                sock.sendall(message)
-            except TimeoutError:
-                self._broken = f"a call could not be sent to rank {rank} within {timeout} s"
-                raise ChannelTimeout([rank], timeout) from None
-            except OSError as e:
-                self._broken = f"a call could not be sent to rank {rank} ({e})"
-                raise ChannelClosed(rank, str(e)) from e
-        return self._replies(deadline, timeout)
-
-    def _replies(self, deadline: float | None, timeout: float | None) -> list:
-        replies: list = [None] * len(self._socks)
-        pending = {rank: bytearray() for rank in range(len(self._socks))}  # rank -> its reply so far
-        failures: list[BaseException] = []
+        rank = 0
         try:
-            self._collect(replies, pending, deadline, timeout, failures)
-        except (ChannelClosed, ChannelTimeout) as e:
-            self._broken = f"a call's replies were left unread ({e})"
-            if failures:  # the rank's own error says more than its peer's going away after it
-                raise failures[0] from None
+            for rank, sock in enumerate(self._socks):
+                # A stopped worker whose buffer is full must not block the sender for good.
+                sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
+                try:
+                    sock.sendall(message)
+                except TimeoutError:
+                    raise ChannelTimeout([rank], timeout) from None
+                except OSError as e:
+                    raise ChannelClosed(rank, str(e)) from e
+            replies, error = self._replies(deadline, timeout, drain_after_error)
+        except BaseException as e:  # whatever cut the call short (a Ctrl-C too) left bytes unread
+            if not self._broken:
+                self._broken_rank = getattr(e, "rank", getattr(e, "ranks", [rank])[0])
+                self._broken = f"an earlier call ended before its replies were read ({type(e).__name__}: {e})"
             raise
-        if pending:
-            self._broken = f"rank(s) {sorted(pending)} did not reply after another rank raised"
-        if failures:
-            raise failures[0]
+        if error is not None:  # raised by a rank; every reply read, unless _replies said otherwise
+            raise error
         return replies
 
+    def _replies(self, deadline: float | None, timeout: float | None,
+                 drain_after_error: float) -> tuple[list, BaseException | None]:
+        """Every rank's reply, and the first error a rank raised (or None)."""
+        replies: list = [None] * len(self._socks)
+        pending = {rank: bytearray() for rank in range(len(self._socks))}  # rank -> its reply so far
+        failures: list[tuple[int, BaseException]] = []
+        try:
+            self._collect(replies, pending, deadline, timeout, failures, drain_after_error)
+        except ChannelClosed as closed:
+            if failures:  # a rank raises in a collective whose peer died: the death is the cause
+                closed.__cause__ = failures[0][1]
+            raise
+        except ChannelTimeout:
+            if failures:  # the peers of a rank that raised, still waiting for it
+                self._broken_rank, error = failures[0]
+                self._broken = f"rank(s) {sorted(pending)} did not reply after rank {self._broken_rank} raised"
+                raise error from None
+            raise
+        if failures:
+            rank, error = failures[0]
+            if pending:
+                self._broken_rank = rank
+                self._broken = f"rank(s) {sorted(pending)} did not reply after rank {rank} raised"
+            return replies, error
+        return replies, None
+
     def _collect(self, replies: list, pending: dict, deadline: float | None, timeout: float | None,
-                 failures: list) -> None:
+                 failures: list, drain_after_error: float) -> None:
         """Reads replies into `replies` until every rank's is in (each removed from `pending`). A
-        rank's raised error goes to `failures`; then the others get _DRAIN_AFTER_ERROR_S to reply,
-        so that the channel stays in step (else it is marked broken: a later call fails as a death
-        would)."""
+        rank's raised error goes to `failures` as (rank, error); then the others get
+        `drain_after_error` seconds to reply, so that the channel stays in step (else it is marked
+        broken: a later call fails as a death would)."""
         with selectors.DefaultSelector() as selector:
             for rank, sock in enumerate(self._socks):
                 selector.register(sock, selectors.EVENT_READ, rank)
@@ -225,9 +249,10 @@ class StepChannel:
                         replies[rank] = reply[1]
                     elif not failures:
                         _, error, text = reply
-                        error.add_note(f"raised by tensor-parallel rank {rank}:\n{text}")
-                        failures.append(error)
-                        drain_until = time.monotonic() + _DRAIN_AFTER_ERROR_S
+                        if hasattr(error, "add_note"):  # Python 3.11+
+                            error.add_note(f"raised by tensor-parallel rank {rank}:\n{text}")
+                        failures.append((rank, error))
+                        drain_until = time.monotonic() + drain_after_error
                         deadline = drain_until if deadline is None else min(deadline, drain_until)
 
     @staticmethod
