@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from pagedserve.bench.dataset import as_chat, draw_length, load_jsonl, parse_range, synthetic
-from pagedserve.bench.runner import RequestResult, arrival_times
+from pagedserve.bench.report import summarize
+from pagedserve.bench.runner import RequestResult, RunResult, TIMELINE_KEYS, arrival_times
 from pagedserve.cli import main
 from pagedserve.config import EngineConfig
 from tests.serving import running_coordinator
@@ -73,6 +74,16 @@ def test_poisson_arrivals_have_the_asked_rate():
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert times == sorted(times) and abs(statistics.mean(gaps) - 1 / 8) < 0.01
     assert abs(statistics.stdev(gaps) - 1 / 8) < 0.015  # exponential: sd = mean
+
+
+def test_a_run_shorter_than_the_poll_reports_the_engines_peak_kv_usage():
+    idle = {"t": 0.0, **{key: 0.0 for key in TIMELINE_KEYS}}
+    before = {"kv_blocks_peak_used": 3.0, "kv_blocks_total": 40.0}
+    rose = RunResult([], 0.2, [idle], before, {"kv_blocks_peak_used": 10.0, "kv_blocks_total": 40.0})
+    assert summarize(rose)["peak_kv_usage"] == summarize(rose)["peak_kv_usage_engine"] == 0.25
+    # An engine peak from before the run says nothing of it: the polled peak stands.
+    earlier = RunResult([], 0.2, [dict(idle, kv_usage=0.1)], before, before)
+    assert summarize(earlier)["peak_kv_usage"] == 0.1 and summarize(earlier)["peak_kv_usage_engine"] is None
 
 
 def test_inter_token_latency_spreads_a_chunks_gap_over_its_tokens():
