@@ -89,9 +89,8 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in ("prompt",):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server; leave it unset")
+        if self.prompt:
+            raise ValueError("prompt is not supported by this server; leave it unset")
         self.conversation_id()  # ValueError: malformed, or beside previous_response_id
         if self.background and self.store is False:
             raise ValueError("background requires store=true: a background response is read back from the store")

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+
 def _interval_from_env(default: float = 10.0) -> float:
     """PAGEDSERVE_LOG_STATS_INTERVAL's seconds (vLLM's default period without it, or for one that is
     not a number >= 0.1: a tight loop would slow the event loop that serves requests)."""

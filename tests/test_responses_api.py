@@ -182,6 +182,7 @@ def test_text_format_json_schema_and_logprobs(client, server):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "max_tool_calls": -1}, "max_tool_calls"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -3,6 +3,7 @@ the Ray executor's use of it (SIGKILL, SIGSTOP, TP 2) is covered by test_worker_
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -62,6 +63,21 @@ def connect(count: int, **kwargs) -> tuple[list[FakeWorker], StepChannel]:
     return workers, StepChannel([x.address for x in listeners], [x.token for x in listeners], **kwargs)
 
 
+@contextlib.contextmanager
+def connected_with_steps(step_as: dict[int, str]):
+    """Two ranks whose "step" behaves as `step_as` says (rank -> behaviour), and the channel to
+    them; on the way out every blocked rank is released and the channel closed."""
+    workers, channel = connect(2)
+    for rank, behaviour in step_as.items():
+        workers[rank].act_as["step"] = behaviour
+    try:
+        yield channel
+    finally:
+        for worker in workers:
+            worker.release.set()
+        channel.close()
+
+
 def test_calls_reach_every_rank_and_results_come_back_in_rank_order():
     workers, channel = connect(3)
     try:
@@ -85,18 +101,13 @@ def test_an_error_raised_by_a_method_passes_as_it_is():
 
 
 def test_the_first_failure_is_seen_while_another_rank_never_answers():
-    workers, channel = connect(2)
-    workers[0].act_as["step"] = "block"  # waits in a collective for its peer...
-    workers[1].act_as["step"] = "close"  # ...which dies
-    try:
+    # Rank 0 waits in a collective for its peer, which dies.
+    with connected_with_steps({0: "block", 1: "close"}) as channel:
         start = time.monotonic()
         with pytest.raises(ChannelClosed) as info:
             channel.call("step", (), timeout=20)
         assert info.value.rank == 1
         assert time.monotonic() - start < 5
-    finally:
-        workers[0].release.set()
-        channel.close()
 
 
 def test_a_rank_that_closes_is_reported_by_rank():
@@ -163,34 +174,22 @@ def test_an_error_on_one_rank_leaves_the_channel_in_step_for_the_next_call():
 
 
 def test_a_peer_that_never_replies_after_an_error_breaks_the_channel():
-    workers, channel = connect(2)
-    workers[0].act_as["step"] = "block"
-    workers[1].act_as["step"] = "fail"
-    try:
+    with connected_with_steps({0: "block", 1: "fail"}) as channel:
         with pytest.raises(ValueError):
             channel.call("step", (1,))
         with pytest.raises(ChannelClosed, match="did not reply after rank 1 raised") as info:
             channel.call("ok", ())  # a reply could now be any call's: refused, as a death
         assert info.value.rank == 1
-    finally:
-        workers[0].release.set()
-        channel.close()
 
 
 def test_a_caller_that_gives_the_group_up_does_not_wait_for_the_peers_of_a_failed_rank():
-    workers, channel = connect(2)
-    workers[0].act_as["step"] = "block"
-    workers[1].act_as["step"] = "fail"
-    try:
+    with connected_with_steps({0: "block", 1: "fail"}) as channel:
         start = time.monotonic()
         with pytest.raises(ValueError):
             channel.call("step", (1,), timeout=30, drain_after_error=0)
         assert time.monotonic() - start < 1.5  # not the default drain of DRAIN_AFTER_ERROR_S
         with pytest.raises(ChannelClosed):
             channel.call("ok", ())
-    finally:
-        workers[0].release.set()
-        channel.close()
 
 
 def test_a_call_cut_short_by_an_interrupt_leaves_the_channel_refusing_calls():
@@ -218,12 +217,7 @@ def test_a_call_cut_short_by_an_interrupt_leaves_the_channel_refusing_calls():
 def test_a_rank_that_raises_beside_a_peer_that_died_is_reported_as_the_death():
     """A rank's collective fails when its peer is killed: the death is the cause, whichever of the
     two the executor reads first."""
-    workers, channel = connect(2)
-    workers[0].act_as["step"] = "fail"
-    workers[1].act_as["step"] = "close"
-    try:
+    with connected_with_steps({0: "fail", 1: "close"}) as channel:
         with pytest.raises(ChannelClosed) as info:
             channel.call("step", (4,), timeout=10, drain_after_error=2)
         assert info.value.rank == 1
-    finally:
-        channel.close()

@@ -196,15 +196,9 @@ class StepChannel:
         failures: list[tuple[int, BaseException]] = []
         try:
             self._collect(replies, pending, deadline, timeout, failures, drain_after_error)
-        except ChannelClosed as closed:
+        except ChannelClosed as closed:  # (a timeout after a rank raised ends the drain instead)
             if failures:  # a rank raises in a collective whose peer died: the death is the cause
                 closed.__cause__ = failures[0][1]
-            raise
-        except ChannelTimeout:
-            if failures:  # the peers of a rank that raised, still waiting for it
-                self._broken_rank, error = failures[0]
-                self._broken = f"rank(s) {sorted(pending)} did not reply after rank {self._broken_rank} raised"
-                raise error from None
             raise
         if failures:
             rank, error = failures[0]
