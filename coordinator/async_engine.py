@@ -271,8 +271,12 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """LLMEngine's reset_prefix_cache, run on the step thread so that it falls between steps."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._thread, self.llm_engine.scheduler.kv.reset_prefix_cache)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._reset_prefix_cache)
+
+    def _reset_prefix_cache(self) -> bool:
+        done = self.llm_engine.scheduler.kv.reset_prefix_cache()
+        self.llm_engine.refresh_stats()  # an idle engine takes no step that would show it
+        return done
 
     async def stats(self) -> dict:
         stats = self.llm_engine.stats()

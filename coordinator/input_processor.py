@@ -106,9 +106,14 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer; got {priority!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
-        if messages is not None:
-            prompt_token_ids = self.chat_prompt_ids(messages, **(chat_options or {}))
-        prompt_token_ids = self.check_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        if messages is None:
+            prompt_token_ids = self.check_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        else:
+            rendered = self.chat_prompt_ids(messages, **(chat_options or {}))
+            try:  # a chat has no prompt field: its messages are what the client sent
+                prompt_token_ids = self.check_prompt(None, rendered, params.truncate_prompt_tokens)
+            except ValueError as e:
+                raise ValueError(f"messages, as the chat template renders them: {e}") from None
         if max_tokens_field is not None and params.max_tokens is not None:
             room = self.max_model_len - len(prompt_token_ids)
             if params.max_tokens > room:

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from coordinator.async_engine import AsyncEngine
+from coordinator.async_engine import AsyncEngine, QueueFullError
 from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
 from coordinator.openai_responses import ChatFormat, CompletionFormat, prompt_logprobs_json, usage
 from coordinator.outputs import RequestOutput
@@ -52,6 +52,8 @@ class RequestGroup:
         if len(prompts) > engine.max_queued_requests:  # could never be admitted: not worth a retry
             raise ValueError(f"prompt holds {len(prompts)} prompts; at most {engine.max_queued_requests} "
                              "(the server's max_queued_requests) fit in one request")
+        if len(prompts) > 1:
+            prompts = await _checked(engine, prompts, params, priority, max_tokens_field)
         streams = [engine.generate(text, ids, dataclasses.replace(params), f"{request_id}-{i}", priority,
                                    messages=messages, timeout=timeout, chat_options=chat_options,
                                    max_tokens_field=max_tokens_field)
@@ -94,6 +96,25 @@ class RequestGroup:
     def close(self) -> None:
         for pump in self._pumps:
             pump.cancel()  # the stream it reads aborts its request on the way out
+
+
+async def _checked(engine: AsyncEngine, prompts: list[tuple], params: SamplingParams, priority: int,
+                   max_tokens_field: str | None) -> list[tuple]:
+    """Every prompt of a request checked before any is queued, so that a refused request runs
+    nothing; the refusal names the prompt. (text, token ids, None) each, for `generate` to take
+    as they are (tokenized and truncated once)."""
+    if engine.num_queued + len(prompts) > engine.max_queued_requests:
+        raise QueueFullError(f"the queue cannot take {len(prompts)} more requests "
+                             f"({engine.num_queued} of {engine.max_queued_requests} waiting)")
+    checked = []
+    for i, (text, ids, messages) in enumerate(prompts):
+        try:
+            ids = await engine.check_input(text, ids, dataclasses.replace(params), priority, messages,
+                                           max_tokens_field=max_tokens_field)
+        except ValueError as e:
+            raise ValueError(f"{e} (prompt {i} of {len(prompts)})") from None
+        checked.append((text, ids, None))
+    return checked
 
 
 def _without_completion(out: RequestOutput) -> RequestOutput:

@@ -425,13 +425,26 @@ class ResponsesServing:
         turn = _Turn(head, req, messages, stored_items(req.input or [], "input"), conversation, engine, rendered)
         field = "max_output_tokens" if req.max_output_tokens is not None else None
         if conversation is None:
-            return await self._start(turn, chat, tools, reasoning, params, field)
+            return await self._start_naming_input(turn, chat, tools, reasoning, params, field)
         conversation.check_room(len(turn.inputs) + 1, "conversation")
         conversation.lock(lambda: True)  # until the reply runs, then while it runs
         try:
-            return await self._start(turn, chat, tools, reasoning, params, field)
+            return await self._start_naming_input(turn, chat, tools, reasoning, params, field)
         except BaseException:
             conversation.unlock()
+            raise
+
+    async def _start_naming_input(self, *args) -> dict | ChunkStream:
+        """_start, where a refusal of the rendered conversation names `input`, this API's field
+        (the engine's checks name a chat's `messages` or a prompt's `prompt`)."""
+        try:
+            return await self._start(*args)
+        except ValueError as e:
+            text = str(e)
+            if text.startswith("messages, as the chat template renders them: "):
+                raise ValueError("input, as the chat template renders it: " + text.split(": ", 1)[1]) from None
+            if text.startswith("prompt"):
+                raise ValueError(f"input, as the chat template renders it: {text}") from None
             raise
 
     async def _start(self, turn: _Turn, chat: ChatCompletionRequest, tools, reasoning: ReasoningTags, params,

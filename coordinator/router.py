@@ -218,6 +218,10 @@ class Router:
         finally:
             self._requests.discard(request_id)
 
+    async def check_input(self, *args, **kwargs) -> list[int]:
+        """AsyncEngine.check_input, on a serving replica (every replica serves the same model)."""
+        return await self._any_serving().engine.check_input(*args, **kwargs)
+
     async def reset_prefix_cache(self) -> bool:
         """Every serving replica's prefix cache forgotten (True only if none had a block in use),
         and the routes the router remembered by prefix with them."""

@@ -181,8 +181,9 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (as many as fit) or an integer >= 1; got {t!r}")
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")

@@ -231,9 +231,10 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(client, server):
         turns += [{"type": "message", "role": "user", "content": f"{k}: {long_text}"},
                   {"type": "message", "role": "assistant", "content": f"{k}: {long_text}"}]
     conversation = client.conversations.create(items=turns)
-    with pytest.raises(openai.BadRequestError):  # too long for the model: refused, as by default
+    with pytest.raises(openai.BadRequestError) as info:  # too long for the model: refused, as by default
         client.responses.create(model=server.model, conversation=conversation.id, input="Sum up.",
                                 max_output_tokens=8)
+    assert info.value.body["param"] == "input" and "max_model_len" in info.value.body["message"]
     cut = client.responses.create(model=server.model, conversation=conversation.id, input="Sum up.",
                                   max_output_tokens=8, truncation="auto", **GREEDY)
     assert cut.truncation == "auto" and cut.usage.input_tokens + 8 <= max_len

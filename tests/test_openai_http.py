@@ -248,6 +248,27 @@ def test_a_max_tokens_the_context_cannot_hold_is_a_400_naming_the_field_and_the_
     assert stats["kv_blocks_used"] == 0  # nothing was admitted for the refused ones
 
 
+def test_a_request_with_one_bad_prompt_runs_none_of_them(client, server):
+    """Every prompt of a request is checked before any is queued: the refusal names the prompt,
+    and the good prompts beside it were never computed."""
+    before = _wait_for(server, lambda s: s["num_running"] == 0)
+    for prompts, param in (([[5] * 40, [999999]], "prompt"),  # a token id out of the vocabulary
+                           (["a short one", "word " * 1100], "prompt"),  # longer than max_model_len
+                           ([[5] * 40, [11] * 1000], "max_tokens")):  # leaves no room for max_tokens
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=server.model, prompt=prompts, max_tokens=30, **GREEDY)
+        assert info.value.body["param"] == param and "(prompt 1 of 2)" in info.value.body["message"]
+    after = _stats(server)
+    assert after["prompt_tokens"] == before["prompt_tokens"]  # nothing was prefilled
+    assert after["requests_finished_abort"] == before["requests_finished_abort"]
+    assert after["kv_blocks_used"] == 0
+
+    messages = [{"role": "user", "content": "word " * 1100}]  # a chat has no prompt field: its messages are at fault
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=messages, max_tokens=2)
+    assert info.value.body["param"] == "messages" and "max_model_len (1024)" in info.value.body["message"]
+
+
 def test_a_full_queue_is_rate_limited(client, server):
     """Every sequence slot busy with one long request: MAX_QUEUED more wait, the next is refused."""
     busy = client.completions.create(model=server.model, prompt="busy", n=MAX_NUM_SEQS, max_tokens=900, stream=True,
@@ -380,6 +401,11 @@ def test_reset_prefix_cache_makes_the_next_prompt_cold(client, server):
     before = hits()
     client.completions.create(model=server.model, prompt=prompt, max_tokens=1, **GREEDY)
     assert hits() > before
+
+    _wait_for(server, lambda s: s["kv_blocks_used"] == 0)
+    assert _stats(server)["kv_blocks_cached"] > 0
+    assert _request(server.url + "/reset_prefix_cache", {})[0] == 200
+    assert _stats(server)["kv_blocks_cached"] == 0  # shown at once, though an idle engine takes no step
 
 
 def test_every_status_kind_has_an_http_status():

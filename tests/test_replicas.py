@@ -126,12 +126,42 @@ def test_reset_prefix_cache_reaches_every_replica(two_replicas):
     assert after["prefix_cache_hits"] == cached["prefix_cache_hits"]  # every prompt computed cold again
 
 
+def test_a_request_of_several_prompts_is_checked_whole_through_the_router(two_replicas):
+    """The HTTP door checks every prompt on a replica before the router queues any: one refused
+    prompt refuses the request, and nothing of it runs on either replica."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    actor, target = two_replicas
+    base = f"http://127.0.0.1:{ray.get(actor.status.remote())['http_port']}/v1"
+    with urllib.request.urlopen(base + "/models", timeout=30) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+
+    def complete(prompts):
+        body = json.dumps({"model": model, "prompt": prompts, "max_tokens": 2, "temperature": 0}).encode()
+        request = urllib.request.Request(base + "/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    with pagedserve.Client(target, timeout=60) as client:
+        before = _wait_idle(client)
+        status, body = complete([[300] * 20, [10**9]])
+        assert status == 400 and "(prompt 1 of 2)" in body["error"]["message"]
+        assert _wait_idle(client)["prompt_tokens"] == before["prompt_tokens"]
+        status, body = complete([[300] * 20, [301] * 20])
+        assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+
+
 def test_metrics_carry_a_replica_label(two_replicas):
     actor, _ = two_replicas
     port = ray.get(actor.status.remote())["metrics_port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for replica in ("0", "1"):
-        assert f'pagedserve_kv_blocks_capacity{{model_name=' in text
+        assert 'pagedserve_kv_blocks_capacity{model_name=' in text
         assert any(line.startswith("pagedserve_kv_blocks_capacity") and f'replica="{replica}"' in line
                    for line in text.splitlines())
 

@@ -95,6 +95,8 @@ def test_seeded_draws_are_a_function_of_seed_and_position_only():
     ("stop", [""], "stop must be a list of non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be an integer >= 0"),
     ("n", 0, "n must be an integer >= 1"),
+    ("truncate_prompt_tokens", 0, "truncate_prompt_tokens must be -1 (as many as fit) or an integer >= 1"),
+    ("truncate_prompt_tokens", -2, "truncate_prompt_tokens must be -1 (as many as fit) or an integer >= 1"),
     # containers of the wrong kind: the field named, not a TypeError from inside
     ("stop", 5, "stop must be a string or a list of strings; got int"),
     ("stop_token_ids", 5, "stop_token_ids must be a list of token ids; got int"),
