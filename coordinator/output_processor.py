@@ -48,10 +48,11 @@ class OutputProcessor:
                 completion = req.completion_of(seq)
                 if new.logprobs is not None:
                     completion.record_logprobs(new.logprobs, self.tokenizer, keep=keep_logprobs)
+                new_from = len(completion.detok.text)
                 completion.detok.step(seq.token_ids)
                 if (seq.params.stop and seq.status != SequenceStatus.FINISHED_STOPPED
                         and seq.num_output_tokens >= seq.params.min_tokens
-                        and completion.truncate_at_stop_string()):
+                        and completion.truncate_at_stop_string(new_from)):
                     if seq.status.finished:
                         seq.status = SequenceStatus.FINISHED_STOPPED
                     else:

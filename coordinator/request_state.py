@@ -40,12 +40,14 @@ class Completion:
         if keep:
             self.logprobs.append(logprob_dict(entry, tokenizer))
 
-    def truncate_at_stop_string(self) -> bool:
-        """Cut the text at the earliest stop string (after it with include_stop_str_in_output);
-        only the tail can hold a new match."""
+    def truncate_at_stop_string(self, new_from: int) -> bool:
+        """Cut the text at the earliest stop string (after it with include_stop_str_in_output)
+        that ends in the text added from `new_from` on: as in vLLM, a stop string is looked for
+        only in new text, so one generated before `min_tokens` were reached never ends the
+        sequence later."""
         params = self.seq.params
         text, stops = self.detok.text, params.stop
-        start = max(0, len(text) - max(map(len, stops)) - 16)
+        start = max(0, new_from - max(map(len, stops)) + 1)
         hits = [(text.find(s, start), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

@@ -339,6 +339,16 @@ def run_demo(config: EngineConfig, prompts: list[str], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        status = _run_command(argv)
+        sys.stdout.flush()  # a reader that left shows here, not as a warning at exit
+        return status
+    except BrokenPipeError:  # the reader left (`pagedserve stats | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
+
+
+def _run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return run_generate(args)

@@ -21,6 +21,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine.from_config(self.config)
         self._request_ids = itertools.count()
+        self._shut_down = False
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -42,15 +43,21 @@ class LLM:
         A prompt is a string or `{"prompt": str}` / `{"prompt_token_ids": [int, ...]}`.
         `priority` (one integer per prompt, lower first) matters with scheduling_policy="priority".
         """
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, SequenceABC):
+            raise ValueError("prompts must be a prompt (a string, {'prompt': str} or {'prompt_token_ids': [...]}) "
+                             f"or a list of them; got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
+            got = (f"{len(sampling_params)} of them" if isinstance(sampling_params, SequenceABC)
+                   else type(sampling_params).__name__)
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
-                             f"({len(prompts)}); got {len(sampling_params)}")
+                             f"({len(prompts)}); got {got}")
         if priority is None:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
@@ -76,6 +83,7 @@ class LLM:
         """Generate replies to conversations (`[{"role": ..., "content": ...}, ...]`, or a list of
         them) through the model's chat template, or `chat_template` (Jinja) in its place, with
         `chat_template_kwargs` as extra variables of the template (vLLM's `LLM.chat` arguments)."""
+        self._check_open()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.engine.input_processor.chat_prompt_ids
         prompts = [{"prompt_token_ids": render(c, add_generation_prompt, continue_final_message, tools, chat_template,
@@ -119,6 +127,7 @@ class LLM:
         """Forget every cached prompt prefix (device and CPU tier), as vLLM's `LLM.reset_prefix_cache`:
         the next prompts are computed cold. False, and nothing forgotten, while a request holds
         blocks (between `generate` calls none does)."""
+        self._check_open()
         return self.engine.scheduler.kv.reset_prefix_cache()
 
     def stats(self) -> dict:
@@ -126,8 +135,17 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        """Release the workers (the worker actors and their placement group with Ray)."""
-        self.engine.shutdown()
+        """Release the workers (the worker actors and their placement group with Ray). Once
+        shut down, the LLM refuses work: it would otherwise take a missing worker group for a
+        fault and start a new one."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine.shutdown()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM has been shut down (shutdown(), or the end of its with block); "
+                               "create a new LLM to generate again")
 
     def __enter__(self) -> "LLM":
         return self

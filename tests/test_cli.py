@@ -77,3 +77,20 @@ def test_vllms_front_door_flags_cors_and_logging(capsys):
         cli.main(["serve", "--allowed-origins", '{"a": 1}'])
     assert info.value.code == 2
     assert "--allowed-origins: must be a JSON list of origins" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(tiny_llama, monkeypatch, capsys):
+    """`pagedserve ... | head`: the reader closed the pipe; the command stops with exit status 1
+    and no traceback (`pagedserve stats | head -2` printed BrokenPipeError's)."""
+    import os
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left
+    with open(write_end, "w", buffering=1) as pipe:  # line-buffered: the first line meets the closed pipe
+        monkeypatch.setattr(sys, "stdout", pipe)
+        status = cli.main(["demo", "--model", tiny_llama, "--kv-cache-memory", str(1 << 22), "--max-tokens", "2",
+                           "--prompt", "Hello"])
+        monkeypatch.undo()
+    assert status == 1
+    assert "Traceback" not in capsys.readouterr().err

@@ -47,6 +47,48 @@ def test_stop_string_cuts_the_text_before_it(llm):
     _no_leak(llm)
 
 
+def test_a_stop_string_before_min_tokens_never_ends_the_sequence(llm):
+    """As in vLLM, stop strings are looked for only in text new since the last token, once
+    min_tokens are out: one generated earlier is not found later (it was, cutting the text back
+    to before it after it had been streamed)."""
+    tok = llm.get_tokenizer()
+    base = llm.generate("Once upon a time", SamplingParams(max_tokens=30, **GREEDY), use_tqdm=False)[0].outputs[0]
+    before_min = tok.decode(base.token_ids[:3], skip_special_tokens=True)  # min_tokens 4: the 4th is checked
+    third = before_min[len(tok.decode(base.token_ids[:2], skip_special_tokens=True)):]
+    visible = [i for i, ch in enumerate(third) if not ch.isspace()]
+    assert visible, "the third token's text should hold a visible character"
+    stop = third[visible[0]:visible[0] + 2]
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, stop=[stop], min_tokens=4, **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 4
+    assert base.text.startswith(out.text) and len(out.text) >= len(before_min) - len(stop) + 1
+    if out.finish_reason == "stop":  # ended by a later occurrence, which ends in new text
+        assert base.text[len(out.text):].startswith(stop)
+    _no_leak(llm)
+
+
+def test_a_shut_down_llm_refuses_work_instead_of_starting_workers_again(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22)
+    with llm:
+        assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    llm.shutdown()  # a second shutdown is harmless
+    for call in (lambda: llm.generate("hi", SamplingParams(max_tokens=2)),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}]), llm.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="has been shut down"):
+            call()
+    assert llm.stats()["worker_restarts"] == 0
+
+
+def test_prompts_and_sampling_params_of_the_wrong_kind_are_named(llm):
+    with pytest.raises(ValueError, match="prompts must be a prompt .* got int"):
+        llm.generate(5, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"one per prompt \(1\); got dict"):
+        llm.generate("hi", {"max_tokens": 2})
+    with pytest.raises(ValueError, match=r"one per prompt \(1\); got 2 of them"):
+        llm.generate("hi", [SamplingParams(max_tokens=2)] * 2)
+    _no_leak(llm)
+
+
 def test_stop_token_id_ends_generation_at_that_token(llm):
     base = llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(max_tokens=12, **GREEDY),
                         use_tqdm=False)[0].outputs[0].token_ids
