@@ -508,8 +508,12 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> list[Sequence]:
         """Swap the victim out with every running sequence of its request (they may share
-        blocks), or recompute the victim alone. Returns the sequences taken off `running`."""
-        if self._swappable(victim):
+        blocks), or recompute the victim alone. Returns the sequences taken off `running`.
+        A request whose samples are all that runs is not swapped: it would come back to the
+        same full pool and go out again, forever (n samples that cannot all fit at once); its
+        victim recomputes alone, as under recompute, and its other samples go on."""
+        others_run = any(s.request_id != victim.request_id for s in self.running)
+        if self._swappable(victim) and others_run:
             group = [victim] + [s for s in self.running if s.request_id == victim.request_id]
             copies = self.kv.swap_out(group)
             if copies is not None:

@@ -83,6 +83,20 @@ def test_groups_swap_as_a_unit_and_keep_their_samples(tiny_llama):
     assert got == want
 
 
+def test_samples_that_cannot_all_fit_at_once_finish_under_swap(tiny_llama):
+    """One request of n samples that together outgrow the pool, and nothing else running:
+    swapping the group out and in again went on forever; its victim recomputes alone instead."""
+    params = SamplingParams(n=6, seed=5, temperature=0.9, max_tokens=60, ignore_eos=True)  # 6 x 5 blocks > 24
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as roomy:
+        want = [c.token_ids for c in roomy.generate(prompt, params, use_tqdm=False)[0].outputs]
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode="swap") as tight:
+        got = [c.token_ids for c in tight.generate(prompt, params, use_tqdm=False)[0].outputs]
+        assert tight.stats()["num_preemptions"] > 0
+        _assert_all_free(tight)
+    assert got == want
+
+
 def test_swap_under_tensor_parallelism_uses_a_store_actor(ray_session, tiny_llama, expected):
     tight = TIGHT // 2  # each of the two ranks holds one of the two KV heads
     with LLM(tiny_llama, kv_cache_memory=tight, swap_space=0.01, preemption_mode="swap", tensor_parallel_size=2,
