@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Sequence as SequenceABC
@@ -18,6 +19,11 @@ class LLM:
     """A whole engine in this process. Keyword arguments are the fields of `EngineConfig`."""
 
     def __init__(self, model: str = BUNDLED_MODEL_ALIAS, **engine_args):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"LLM takes no argument {', '.join(unknown)}: its keyword arguments are the engine's "
+                             f"settings ({', '.join(sorted(known - {'model'}))})")
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine.from_config(self.config)
         self._request_ids = itertools.count()
@@ -88,7 +94,10 @@ class LLM:
         render = self.engine.input_processor.chat_prompt_ids
         prompts = [{"prompt_token_ids": render(c, add_generation_prompt, continue_final_message, tools, chat_template,
                                                chat_template_kwargs)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out in outs:  # as vLLM's: the prompt the chat template rendered
+            out.prompt = self.engine.tokenizer.decode(out.prompt_token_ids)
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -79,7 +79,9 @@ def test_a_shut_down_llm_refuses_work_instead_of_starting_workers_again(tiny_lla
     assert llm.stats()["worker_restarts"] == 0
 
 
-def test_prompts_and_sampling_params_of_the_wrong_kind_are_named(llm):
+def test_prompts_and_sampling_params_of_the_wrong_kind_are_named(llm, tiny_llama):
+    with pytest.raises(ValueError, match="LLM takes no argument frobnicate: .*block_size"):
+        LLM(tiny_llama, frobnicate=True)
     with pytest.raises(ValueError, match="prompts must be a prompt .* got int"):
         llm.generate(5, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=r"one per prompt \(1\); got dict"):
@@ -194,6 +196,7 @@ def test_chat_applies_the_chat_template(llm):
     expected_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert out.prompt_token_ids == list(expected_ids)
     assert "Say hi" in tok.decode(out.prompt_token_ids)
+    assert out.prompt == tok.decode(expected_ids)  # as vLLM's: the rendered prompt
     assert len(out.outputs[0].token_ids) == 3
 
 
