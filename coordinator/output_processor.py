@@ -13,6 +13,7 @@ stop string finished before their outputs are built:
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from coordinator.outputs import RequestOutput
 from coordinator.request_state import RequestState
@@ -43,16 +44,24 @@ class OutputProcessor:
             for position, entries in update.prompt_logprobs:
                 req.record_prompt_logprobs(position, entries)
             keep_logprobs = req.params.logprobs is not None
+            # A step may append several tokens to a sequence (accepted drafts): each is decoded
+            # and checked as if it came alone, so that min_tokens counts it where it stands.
+            later = Counter(new.seq.seq_id for new in update.new_tokens)
+            ended: set[int] = set()
             for new in update.new_tokens:
                 seq = new.seq
+                later[seq.seq_id] -= 1
                 completion = req.completion_of(seq)
                 if new.logprobs is not None:
                     completion.record_logprobs(new.logprobs, self.tokenizer, keep=keep_logprobs)
+                if seq.seq_id in ended:
+                    continue  # a stop string ended its text at an earlier token of this step
                 new_from = len(completion.detok.text)
-                completion.detok.step(seq.token_ids)
+                completion.detok.step(seq.token_ids[:len(seq.token_ids) - later[seq.seq_id]])
                 if (seq.params.stop and seq.status != SequenceStatus.FINISHED_STOPPED
-                        and seq.num_output_tokens >= seq.params.min_tokens
+                        and seq.num_output_tokens - later[seq.seq_id] >= seq.params.min_tokens
                         and completion.truncate_at_stop_string(new_from)):
+                    ended.add(seq.seq_id)
                     if seq.status.finished:
                         seq.status = SequenceStatus.FINISHED_STOPPED
                     else:

@@ -47,8 +47,7 @@ class Completion:
         sequence later."""
         params = self.seq.params
         text, stops = self.detok.text, params.stop
-        start = max(0, new_from - max(map(len, stops)) + 1)
-        hits = [(text.find(s, start), s) for s in stops]
+        hits = [(text.find(s, max(0, new_from - len(s) + 1)), s) for s in stops]  # each may end in new text
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False

@@ -196,12 +196,7 @@ class Router:
         """AsyncEngine.generate, on the replica the policy picks."""
         loop = asyncio.get_running_loop()
         expires = None if timeout is None else loop.time() + timeout
-        if self.error is not None:
-            raise EngineDeadError(f"every replica has failed: {self.error!r}", request_id, self.error, in_flight=False)
-        if request_id and request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.num_queued >= self.max_queued_requests:
-            raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
+        self.check_accepting(request_id)
         self._num_checking += 1
         try:
             token_ids = await self._any_serving().engine.check_input(prompt, prompt_token_ids, params, priority,
@@ -217,6 +212,16 @@ class Router:
                 yield out
         finally:
             self._requests.discard(request_id)
+
+    def check_accepting(self, request_id: str = "") -> None:
+        """AsyncEngine.check_accepting, for the cluster: EngineDeadError, ValueError (the id is
+        taken) or QueueFullError when a new request would be refused now."""
+        if self.error is not None:
+            raise EngineDeadError(f"every replica has failed: {self.error!r}", request_id, self.error, in_flight=False)
+        if request_id and request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.num_queued >= self.max_queued_requests:
+            raise QueueFullError(f"the queue is full ({self.max_queued_requests} requests waiting)")
 
     async def check_input(self, *args, **kwargs) -> list[int]:
         """AsyncEngine.check_input, on a serving replica (every replica serves the same model)."""

@@ -58,12 +58,14 @@ def test_a_stop_string_before_min_tokens_never_ends_the_sequence(llm):
     visible = [i for i, ch in enumerate(third) if not ch.isspace()]
     assert visible, "the third token's text should hold a visible character"
     stop = third[visible[0]:visible[0] + 2]
-    out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, stop=[stop], min_tokens=4, **GREEDY),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 4
-    assert base.text.startswith(out.text) and len(out.text) >= len(before_min) - len(stop) + 1
-    if out.finish_reason == "stop":  # ended by a later occurrence, which ends in new text
-        assert base.text[len(out.text):].startswith(stop)
+    # beside a long stop string too: each stop string's window is its own length
+    for stops in ([stop], [stop, "a stop string far longer than any token's text"]):
+        out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, stop=stops, min_tokens=4, **GREEDY),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) >= 4
+        assert base.text.startswith(out.text) and len(out.text) >= len(before_min) - len(stop) + 1
+        if out.finish_reason == "stop":  # ended by a later occurrence, which ends in new text
+            assert base.text[len(out.text):].startswith(stop)
     _no_leak(llm)
 
 

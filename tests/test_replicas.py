@@ -126,34 +126,51 @@ def test_reset_prefix_cache_reaches_every_replica(two_replicas):
     assert after["prefix_cache_hits"] == cached["prefix_cache_hits"]  # every prompt computed cold again
 
 
-def test_a_request_of_several_prompts_is_checked_whole_through_the_router(two_replicas):
-    """The HTTP door checks every prompt on a replica before the router queues any: one refused
-    prompt refuses the request, and nothing of it runs on either replica."""
+def _http(actor, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON reply) of the cluster's HTTP door: POST `body`, or GET without one."""
     import json
     import urllib.error
     import urllib.request
 
+    url = f"http://127.0.0.1:{ray.get(actor.status.remote())['http_port']}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_request_of_several_prompts_is_checked_whole_through_the_router(two_replicas):
+    """The HTTP door checks every prompt on a replica before the router queues any: one refused
+    prompt refuses the request, and nothing of it runs on either replica."""
     actor, target = two_replicas
-    base = f"http://127.0.0.1:{ray.get(actor.status.remote())['http_port']}/v1"
-    with urllib.request.urlopen(base + "/models", timeout=30) as reply:
-        model = json.loads(reply.read())["data"][0]["id"]
-
-    def complete(prompts):
-        body = json.dumps({"model": model, "prompt": prompts, "max_tokens": 2, "temperature": 0}).encode()
-        request = urllib.request.Request(base + "/completions", data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
+    model = _http(actor, "/v1/models")[1]["data"][0]["id"]
     with pagedserve.Client(target, timeout=60) as client:
         before = _wait_idle(client)
-        status, body = complete([[300] * 20, [10**9]])
+        status, body = _http(actor, "/v1/completions", {"model": model, "prompt": [[300] * 20, [10**9]],
+                                                         "max_tokens": 2, "temperature": 0})
         assert status == 400 and "(prompt 1 of 2)" in body["error"]["message"]
         assert _wait_idle(client)["prompt_tokens"] == before["prompt_tokens"]
-        status, body = complete([[300] * 20, [301] * 20])
+        status, body = _http(actor, "/v1/completions", {"model": model, "prompt": [[300] * 20, [301] * 20],
+                                                         "max_tokens": 2, "temperature": 0})
         assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+
+
+def test_a_background_response_runs_through_the_router(two_replicas):
+    """The Responses API's background mode asks the engine whether it accepts before it answers:
+    the router answers for the cluster (it had no such method: AttributeError, a 500)."""
+    actor, _ = two_replicas
+    model = _http(actor, "/v1/models")[1]["data"][0]["id"]
+    status, queued = _http(actor, "/v1/responses", {"model": model, "input": "Hello there", "max_output_tokens": 4,
+                                                     "background": True, "store": True, "temperature": 0})
+    assert status == 200 and queued["background"] is True
+    deadline = time.monotonic() + 60
+    while (reply := _http(actor, f"/v1/responses/{queued['id']}")[1])["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert reply["status"] in ("completed", "incomplete") and 1 <= reply["usage"]["output_tokens"] <= 4
 
 
 def test_metrics_carry_a_replica_label(two_replicas):

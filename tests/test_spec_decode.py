@@ -102,6 +102,25 @@ def test_max_tokens_and_stop_tokens_cut_an_accepted_run(small_vocab):
     assert got[1][0][0][-1] == stop and len(got[1][0][0]) == 10
 
 
+def test_stop_strings_before_min_tokens_are_ignored_inside_an_accepted_run(small_vocab):
+    """A step that accepts drafts decodes and checks each token where it stands: a stop string
+    in the part of the run before min_tokens does not end the output (outputs, text included,
+    equal those without speculation)."""
+    plain, _ = _generate(small_vocab, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    with LLM(small_vocab, kv_cache_memory=1 << 24) as llm:
+        text = llm.get_tokenizer().decode(plain[0][0][:6])
+    stops = [text[-2:], text[-1:] + "never in any output, surely"]  # a short one ending in the early text
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, min_tokens=12, stop=stops)
+    texts = {}
+    for spec in (None, SPEC):
+        with LLM(small_vocab, kv_cache_memory=1 << 24, speculative_config=spec) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+            texts[spec is None] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+            if spec is not None:
+                assert llm.stats()["spec_accepted_tokens_total"] > 0
+    assert texts[False] == texts[True]
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
     SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True, presence_penalty=0.2,
