@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -62,63 +62,43 @@ def time_gemms(rows: int, seconds: float) -> float:
     return (time.perf_counter() - start) / passes * 1e3
 
 
-def descendants() -> list[int]:
-    """Every process below this one: the local cluster it started (its GCS and raylet are this
-    process's children, the raylet's are the agents and workers); no other cluster is touched."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def thread_ids(procs: list[psutil.Process]) -> set[int]:
+    tids = set()
+    for proc in procs:
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    found, stack = [], [os.getpid()]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def threads_of(pids: list[int]) -> list[int]:
-    tids = []
-    for pid in pids:
-        try:
-            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
+            tids.update(thread.id for thread in proc.threads())
+        except psutil.NoSuchProcess:
             pass
     return tids
 
 
-def wakeups_per_second(pids: list[int], seconds: float = 5.0) -> float:
+def wakeups_per_second(tids: set[int], seconds: float = 5.0) -> float:
+    """Voluntary context switches of these threads a second (/proc has them per thread only)."""
     def voluntary_switches() -> int:
         total = 0
-        for pid in pids:
-            for tid in threads_of([pid]):
-                try:
-                    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-                except OSError:
-                    continue
-                total += next(int(line.split()[1]) for line in status.splitlines()
-                              if line.startswith("voluntary_ctxt_switches"))
+        for tid in tids:
+            try:
+                status = Path(f"/proc/{tid}/status").read_text()
+            except OSError:
+                continue  # a thread that ended meanwhile
+            total += next(int(line.split()[1]) for line in status.splitlines()
+                          if line.startswith("voluntary_ctxt_switches"))
         return total
     before = voluntary_switches()
     time.sleep(seconds)
     return (voluntary_switches() - before) / seconds
 
 
-def signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
+def suspend(procs: list[psutil.Process], stop: bool) -> None:
+    """SIGSTOP (`stop`) or SIGCONT to each process still there (Ray may end an idle worker)."""
+    for proc in procs:
         try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
+            proc.suspend() if stop else proc.resume()
+        except psutil.NoSuchProcess:
             pass
 
 
-def set_policy(tids: list[int], policy: int) -> None:
+def set_policy(tids: set[int], policy: int) -> None:
     for tid in tids:
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
@@ -133,20 +113,24 @@ def main(argv=None) -> None:
 
     from workers.local_ray import init_local_ray
     import ray
+    this = psutil.Process()
+    torch_threads = thread_ids([this])  # the main thread and torch's pool, started by the timing above
     init_local_ray(address="local", num_cpus=os.cpu_count(), log_to_driver=False)
     time.sleep(3)  # past the cluster's start
-    pids = descendants()
-    wakeups = wakeups_per_second(pids)
-    own_ray_threads = [t for t in threads_of([os.getpid()]) if t != os.getpid()]
+    # The cluster this process started (its GCS and raylet are children, the raylet's are the agents
+    # and workers; no other cluster is touched), and the threads Ray started in this process.
+    cluster = this.children(recursive=True)
+    own_ray_threads = thread_ids([this]) - torch_threads
+    wakeups = wakeups_per_second(thread_ids(cluster))
     try:
         for _ in range(args.rounds):
             times.setdefault("Ray idle", []).append(time_gemms(args.rows, args.seconds))
-            signal_all(pids, signal.SIGSTOP)
+            suspend(cluster, True)
             try:
                 times.setdefault("Ray stopped", []).append(time_gemms(args.rows, args.seconds))
             finally:
-                signal_all(pids, signal.SIGCONT)
-            cluster_threads = threads_of(pids) + own_ray_threads
+                suspend(cluster, False)
+            cluster_threads = thread_ids(cluster) | own_ray_threads
             set_policy(cluster_threads, os.SCHED_IDLE)
             try:
                 times.setdefault("Ray SCHED_IDLE", []).append(time_gemms(args.rows, args.seconds))
