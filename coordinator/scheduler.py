@@ -19,7 +19,9 @@ running samples or beams of its request move to the store together and come back
 before any new admission, once blocks are free), otherwise by recompute: its blocks are freed
 (its full blocks stay in the prefix cache), it goes back to the front of the waiting queue with
 its generated tokens kept, and on readmission its prefill recomputes (or re-finds in the prefix
-cache) the whole context. A step that preempts admits nothing and swaps nothing in.
+cache) the whole context. A step that preempts admits nothing and swaps nothing in. A beam
+search whose beams cannot all hold their blocks at once parks the beams that wait for a
+preempted sibling (`_park_idle_beams`): they leave the pool until the search advances.
 
 Loads from the CPU prefix tier may be spread over steps (`max_loaded_blocks_per_step`, set on a P/D
 decode replica): a sequence whose prefix continues in the tier loads at most the step's remaining
@@ -179,10 +181,33 @@ class Scheduler:
         waited = self.num_steps - self._waiting_since.get(seq.seq_id, self.num_steps)
         return seq.priority - waited // PRIORITY_AGING_STEPS
 
-    def _next_waiting(self) -> Sequence:
+    def _next_waiting(self) -> Sequence | None:
+        """The next sequence to admit, None where every waiting one is a parked beam."""
         if self.policy == "fcfs":
-            return self.waiting[0]
-        return min(self.waiting, key=lambda s: (self.effective_priority(s), s.arrival_time))
+            return next((s for s in self.waiting if not self._parked(s)), None)
+        return min((s for s in self.waiting if not self._parked(s)),
+                   key=lambda s: (self.effective_priority(s), s.arrival_time), default=None)
+
+    def _parked(self, seq: Sequence) -> bool:
+        """A beam out of the pool that already has its next candidates: it needs nothing computed
+        before its search advances (which appends its token), so it is not admitted till then."""
+        group = self.groups.get(seq.request_id)
+        return group is not None and group.beam is not None and seq.seq_id in group.pending_beam_logprobs
+
+    def _park_idle_beams(self, out: SchedulerOutput) -> bool:
+        """Where everything running is a beam that has its candidates and waits for a sibling
+        beam that cannot get blocks, nothing would ever free: those beams leave the pool (as a
+        recompute preemption) and wait parked until their search advances, so that the sibling
+        computes. A search whose beams cannot all hold their blocks at once thus goes on, one
+        part of its beams at a time. Returns whether any was parked."""
+        idle = [s for s in self.running if s.num_computed_tokens == s.num_tokens and self._parked(s)]
+        if not idle or len(idle) != len(self.running):
+            return False
+        for seq in idle:
+            self.running.remove(seq)
+            self._recompute(seq)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s not in idle]
+        return True
 
     def _victim(self) -> Sequence:
         """The running sequence to preempt: the newest, or under `priority` the least important."""
@@ -437,6 +462,8 @@ class Scheduler:
         isolated = None  # the one twice-faulted request this step may admit (all its samples)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
+            if seq is None:
+                break
             if self.fault_suspects.get(seq.request_id, 0) >= POISON_FAULTS:
                 if isolated not in (None, seq.request_id):
                     break
@@ -456,6 +483,8 @@ class Scheduler:
                 break
             num_new = min(num_new, budget, self.chunk_cap)
             if not kv.allocate_slots(seq, num_new, computed, keep_watermark=bool(self.running), cpu_blocks=loaded):
+                if self._park_idle_beams(out):
+                    continue  # the head again, with their blocks back
                 break  # nobody overtakes the head of the queue (the first in policy order)
             if self._load_budget is not None:
                 self._load_budget -= len(loaded)

@@ -107,3 +107,26 @@ def test_llm_beam_search_is_vllms_api_over_the_same_search(tiny_llama, hf, bundl
                 llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(**{"beam_width": 2, "max_tokens": 4,
                                                                                        **bad}))
         _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode,policy", [("recompute", "fcfs"), ("swap", "fcfs"), ("recompute", "priority")])
+def test_beams_that_cannot_all_hold_their_blocks_at_once_still_finish(tiny_llama, mode, policy):
+    """16 beams of 150 tokens outgrow a 24-block pool: a preempted beam could not come back while
+    its siblings held their blocks waiting for it (a stall). Now the waiting siblings leave the
+    pool until the search advances, and the search (and a request beside it) ends as with room."""
+    from tests.test_kv_swap import TIGHT
+
+    prompts = [{"prompt_token_ids": _prompt(20, seed=3)}, {"prompt_token_ids": _prompt(30, seed=4)}]
+    params = [BeamSearchParams(beam_width=16, max_tokens=150, ignore_eos=True).sampling_params(),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+
+    def run(llm):
+        return [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    with LLM(tiny_llama, kv_cache_memory=1 << 24) as roomy:
+        want = run(roomy)
+    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode=mode,
+             scheduling_policy=policy) as tight:
+        assert run(tight) == want
+        assert tight.stats()["num_preemptions"] > 0
+        _assert_all_free(tight)
