@@ -194,14 +194,18 @@ class Scheduler:
         group = self.groups.get(seq.request_id)
         return group is not None and group.beam is not None and seq.seq_id in group.pending_beam_logprobs
 
+    def _idle_beam(self, seq: Sequence) -> bool:
+        return seq.num_computed_tokens == seq.num_tokens and self._parked(seq)
+
     def _park_idle_beams(self, out: SchedulerOutput) -> bool:
         """Where everything running is a beam that has its candidates and waits for a sibling
         beam that cannot get blocks, nothing would ever free: those beams leave the pool (as a
         recompute preemption) and wait parked until their search advances, so that the sibling
         computes. A search whose beams cannot all hold their blocks at once thus goes on, one
-        part of its beams at a time. Returns whether any was parked."""
-        idle = [s for s in self.running if s.num_computed_tokens == s.num_tokens and self._parked(s)]
-        if not idle or len(idle) != len(self.running):
+        part of its beams at a time. Not in a step that swapped in (it moved on; its copies may be
+        writing into those beams' blocks). Returns whether any was parked."""
+        idle = [s for s in self.running if self._idle_beam(s)]
+        if not idle or len(idle) != len(self.running) or out.swap_in:
             return False
         for seq in idle:
             self.running.remove(seq)
@@ -210,7 +214,12 @@ class Scheduler:
         return True
 
     def _victim(self) -> Sequence:
-        """The running sequence to preempt: the newest, or under `priority` the least important."""
+        """The running sequence to preempt: a beam that only waits for a sibling (it holds blocks
+        and can do nothing), else the newest, or under `priority` the least important."""
+        idle = next((s for s in reversed(self.running) if self._idle_beam(s)), None)
+        if idle is not None:
+            self.running.remove(idle)
+            return idle
         if self.policy == "fcfs":
             return self.running.pop()
         victim = max(reversed(self.running), key=lambda s: (s.priority, s.arrival_time))
@@ -447,7 +456,8 @@ class Scheduler:
         return child
 
     def _swap_in(self, out: SchedulerOutput) -> None:
-        while self.swapped and len(self.running) + len(self.swapped[0]) <= self.max_num_seqs:
+        # (A group larger than max_num_seqs, a wide beam search, comes back once nothing runs.)
+        while self.swapped and (not self.running or len(self.running) + len(self.swapped[0]) <= self.max_num_seqs):
             copies = self.kv.swap_in(self.swapped[0])
             if copies is None:
                 return
@@ -460,6 +470,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
         isolated = None  # the one twice-faulted request this step may admit (all its samples)
+        if self.waiting and len(self.running) >= self.max_num_seqs:
+            self._park_idle_beams(out)  # beams waiting for a sibling must not hold every seat
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             if seq is None:
@@ -542,7 +554,7 @@ class Scheduler:
         same full pool and go out again, forever (n samples that cannot all fit at once); its
         victim recomputes alone, as under recompute, and its other samples go on."""
         others_run = any(s.request_id != victim.request_id for s in self.running)
-        if self._swappable(victim) and others_run:
+        if self._swappable(victim) and others_run and not self._idle_beam(victim):
             group = [victim] + [s for s in self.running if s.request_id == victim.request_id]
             copies = self.kv.swap_out(group)
             if copies is not None:
@@ -604,6 +616,11 @@ class Scheduler:
             self._requeue_at_front(seq)
         for group in self.groups.values():
             group.pending_beam_logprobs.clear()  # every beam samples its position again
+        for swapped in self.swapped:
+            for seq in swapped:  # a swapped beam that had sampled: its last position again
+                group = self.groups.get(seq.request_id)
+                if group is not None and group.beam is not None and seq.num_computed_tokens == seq.num_tokens:
+                    seq.num_computed_tokens -= 1
         return moved + len(running)
 
     def _forget_store_writes(self, failed: SchedulerOutput) -> int:

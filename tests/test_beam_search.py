@@ -114,8 +114,6 @@ def test_beams_that_cannot_all_hold_their_blocks_at_once_still_finish(tiny_llama
     """16 beams of 150 tokens outgrow a 24-block pool: a preempted beam could not come back while
     its siblings held their blocks waiting for it (a stall). Now the waiting siblings leave the
     pool until the search advances, and the search (and a request beside it) ends as with room."""
-    from tests.test_kv_swap import TIGHT
-
     prompts = [{"prompt_token_ids": _prompt(20, seed=3)}, {"prompt_token_ids": _prompt(30, seed=4)}]
     params = [BeamSearchParams(beam_width=16, max_tokens=150, ignore_eos=True).sampling_params(),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
@@ -123,10 +121,42 @@ def test_beams_that_cannot_all_hold_their_blocks_at_once_still_finish(tiny_llama
     def run(llm):
         return [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
 
-    with LLM(tiny_llama, kv_cache_memory=1 << 24) as roomy:
+    _tight_pool_gives_what_room_gives(tiny_llama, run, preemption_mode=mode, scheduling_policy=policy)
+
+
+@pytest.mark.parametrize("mode,max_num_seqs", [("swap", 64), ("recompute", 64), ("swap", 8), ("recompute", 8)])
+def test_a_request_that_arrives_after_the_beams_fork_does_not_stall_them(tiny_llama, mode, max_num_seqs):
+    """A request newer than every beam is the first victim: under swap it went out and came back
+    to a pool held by beams waiting for a preempted sibling, forever. Beams that wait are now the
+    first victims, and beams wider than max_num_seqs neither hold every seat nor stay swapped."""
+    beam = BeamSearchParams(beam_width=16, max_tokens=150, ignore_eos=True).sampling_params()
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    beam_prompt, late_prompt = _prompt(20, seed=3), _prompt(30, seed=4)
+
+    def run(llm) -> dict:
+        engine, outputs = llm.engine, {}
+        engine.add_request("beams", None, beam_prompt, beam)
+        for step in range(20_000):
+            if step == 6:  # the beams have forked by now
+                engine.add_request("late", None, late_prompt, greedy)
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = [c.token_ids for c in out.outputs]
+            if not engine.has_unfinished_requests():
+                return outputs
+        raise AssertionError(f"not finished after 20,000 steps: {sorted(outputs)} finished")
+
+    _tight_pool_gives_what_room_gives(tiny_llama, run, preemption_mode=mode, max_num_seqs=max_num_seqs)
+
+
+def _tight_pool_gives_what_room_gives(model: str, run, **flags) -> None:
+    """`run(llm)` returns the same in a 24-block pool (preempting, engine `flags`) as with room,
+    and leaves every block free."""
+    from tests.test_kv_swap import TIGHT
+
+    with LLM(model, kv_cache_memory=1 << 24) as roomy:
         want = run(roomy)
-    with LLM(tiny_llama, kv_cache_memory=TIGHT, swap_space=0.01, preemption_mode=mode,
-             scheduling_policy=policy) as tight:
+    with LLM(model, kv_cache_memory=TIGHT, swap_space=0.01, **flags) as tight:
         assert run(tight) == want
         assert tight.stats()["num_preemptions"] > 0
         _assert_all_free(tight)
