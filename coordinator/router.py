@@ -199,8 +199,8 @@ class Router:
         self.check_accepting(request_id)
         self._num_checking += 1
         try:
-            token_ids = await self._any_serving().engine.check_input(prompt, prompt_token_ids, params, priority,
-                                                                    messages, chat_options, max_tokens_field)
+            token_ids = await self.check_input(prompt, prompt_token_ids, params, priority, messages, chat_options,
+                                               max_tokens_field)
         finally:
             self._num_checking -= 1
         request_id = request_id or f"req-{next(self._ids)}"

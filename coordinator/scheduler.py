@@ -207,10 +207,9 @@ class Scheduler:
         idle = [s for s in self.running if self._idle_beam(s)]
         if not idle or len(idle) != len(self.running) or out.swap_in:
             return False
-        for seq in idle:
+        for seq in idle:  # (none is in out.scheduled: a sequence with nothing to compute never is)
             self.running.remove(seq)
             self._recompute(seq)
-        out.scheduled = [(s, n) for s, n in out.scheduled if s not in idle]
         return True
 
     def _victim(self) -> Sequence:
