@@ -16,7 +16,7 @@ import ray
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, threads_bind_cores
 from workers import cpu_binding
-from workers.priority import lower_this_threads_priority
+from workers.priority import lower_this_threads_priority, return_idle_threads_to_normal_policy
 from workers.ray_executor import WorkerActor
 
 two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
@@ -126,6 +126,32 @@ def test_lowering_a_threads_priority_leaves_the_rest_of_its_process_alone():
     thread.join()
     assert seen["policy"] == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_threads_a_lowered_thread_started_are_raised_again():
+    """A thread started by a lowered one takes its policy (importing torch starts an OpenMP pool
+    that way) and outlives it: it must not stay at SCHED_IDLE once the lowered work is done."""
+    started, release, child = threading.Event(), threading.Event(), {}
+
+    def child_body():
+        child["tid"] = threading.get_native_id()
+        started.set()
+        release.wait()
+
+    def lowered_body():
+        lower_this_threads_priority()
+        threading.Thread(target=child_body, daemon=True).start()
+        started.wait()
+
+    lowered = threading.Thread(target=lowered_body)
+    lowered.start()
+    lowered.join()
+    try:
+        assert os.sched_getscheduler(child["tid"]) == os.SCHED_IDLE
+        return_idle_threads_to_normal_policy()
+        assert os.sched_getscheduler(child["tid"]) == os.SCHED_OTHER
+    finally:
+        release.set()
 
 
 def _torch_mapped(pid: int) -> bool:

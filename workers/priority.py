@@ -60,3 +60,21 @@ def lower_this_threads_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, 19)
         except (AttributeError, OSError):
             pass  # no way to lower it here: it runs at the priority it has
+
+
+def return_idle_threads_to_normal_policy() -> None:
+    """Every thread of this process at SCHED_IDLE goes back to SCHED_OTHER: the threads a lowered
+    thread started (they take its policy: importing torch starts its OpenMP pool), and the lowered
+    thread itself, which /proc may still list for a moment after `join()` returned."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return  # no /proc: nothing lowered can be found
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+        except (AttributeError, OSError) as e:
+            log.warning("thread %s stays at SCHED_IDLE: %s", tid, e)

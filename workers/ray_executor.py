@@ -33,7 +33,7 @@ from workers import fault_hook
 from workers.executor import Executor, WorkerFailedError, merge_rank_outputs
 from workers.model_config import ConfigSnapshot
 from workers.local_ray import init_local_ray
-from workers.priority import lower_this_threads_priority, raise_to_normal_priority
+from workers.priority import lower_this_threads_priority, raise_to_normal_priority, return_idle_threads_to_normal_policy
 from workers.step_channel import ChannelClosed, ChannelListener, ChannelTimeout, StepChannel
 from workers.step_channel import serve as serve_channel
 from workers.step_plan import StepOutput, StepPlan
@@ -145,8 +145,12 @@ class WorkerActor:
         priority. A spare warms up beside a serving group whose every step waits for its slowest
         thread: at normal priority its 2-3 CPU-seconds of imports, taken from the group's cores,
         cost the group more than that in stalled steps. Only the importing thread is lowered (it
-        ends with the imports), so the spare serves at normal priority once it takes over."""
-        _Importer(lower_priority=True).wait()
+        ends with the imports) and any thread it started is raised again, so the spare serves at
+        normal priority once it takes over."""
+        try:
+            _Importer(lower_priority=True).wait()
+        finally:
+            return_idle_threads_to_normal_policy()
 
     def call(self, method: str, *args):
         """Run `Worker.<method>(*args)` on this rank (every executor call goes through here)."""
