@@ -1,0 +1,99 @@
+"""A CPU model's weights moved onto one huge-page mapping (workers/huge_pages.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers import huge_pages
+from workers.huge_pages import HUGE_PAGE, move_to_huge_pages, transparent_huge_pages
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry holding `address`: its range and fields."""
+    with open("/proc/self/smaps") as f:
+        entry = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                entry = {"start": start, "end": end} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+                if key == "VmFlags":
+                    return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 256)
+        self.head = nn.Linear(256, 1000, bias=False)
+        self.head.weight = self.embed.weight  # tied, as SmolLM2's LM head
+        self.fused = nn.Linear(256, 768)
+        self.norm = nn.Parameter(torch.ones(256))
+        self.register_buffer("cos", torch.randn(4096, 32), persistent=False)
+
+
+@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_weights_move_to_one_huge_page_mapping_with_the_same_values_and_sharing():
+    model = Tied()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    x = torch.randn(3, 256)
+    out_before = model.head(x) + model.fused(x).sum()
+    moved = move_to_huge_pages(model)
+    assert moved >= sum(t.numel() * t.element_size() for t in model.parameters()) + model.cos.nbytes
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(model.head(x) + model.fused(x).sum(), out_before)
+    # One storage still serves both tied modules, and the moved tensors are still parameters.
+    assert model.head.weight is model.embed.weight and isinstance(model.norm, nn.Parameter)
+    tensors = [*model.parameters(), model.cos]
+    mapping = _mapping_of(tensors[0].data_ptr())
+    assert all(mapping["start"] <= t.data_ptr() < mapping["end"] for t in tensors)
+    assert min(t.data_ptr() for t in tensors) % HUGE_PAGE == 0
+    assert "hg" in mapping["VmFlags"].split()  # advised MADV_HUGEPAGE
+    assert mapping["THPeligible"] == "1"
+    model.embed.weight.data[0, 0] = 5.0  # writable, as the weights they replaced
+    assert model.head.weight[0, 0] == 5.0
+
+
+def test_nothing_moves_where_the_kernel_gives_no_huge_pages(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", str(setting))
+    assert transparent_huge_pages() == "never"
+    model = Tied()
+    address = model.fused.weight.data_ptr()
+    assert move_to_huge_pages(model) == 0 and model.fused.weight.data_ptr() == address
+    monkeypatch.setattr(huge_pages, "THP_SETTING", str(tmp_path / "missing"))
+    assert transparent_huge_pages() == "unavailable" and move_to_huge_pages(model) == 0
+
+
+def test_an_engines_weights_are_on_huge_pages_from_its_first_step_with_the_same_tokens(tiny_llama, monkeypatch):
+    """The worker copies its weights beside the rest of its start and takes the copy up before
+    its first step: that step's tokens are those of the weights as loaded."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=4)
+    worker = llm.engine.executor.worker
+    assert (worker._weights_move is not None) == (transparent_huge_pages() in ("always", "madvise"))
+    embed = worker.model.embed_tokens.weight
+    address = embed.data_ptr()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": list(range(3, 40))}]
+    moved = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert worker._weights_move is None
+    if transparent_huge_pages() in ("always", "madvise"):
+        assert embed.data_ptr() != address and worker.model.embed_tokens.weight is embed
+        assert "hg" in _mapping_of(embed.data_ptr())["VmFlags"].split()
+    llm.shutdown()
+    # The same model with its weights left where they were loaded.
+    monkeypatch.setattr(huge_pages, "THP_SETTING", "/nonexistent")
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=4)
+    assert llm.engine.executor.worker._weights_move._thread is None  # nothing moves
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == moved
+    llm.shutdown()
