@@ -58,8 +58,8 @@ def _movable(t: torch.Tensor) -> bool:
 class HugePageMove:
     """Moves the model's CPU parameters and buffers into one huge-page mapping (see the module
     docstring): the copy runs on a thread of its own from creation, off the start's critical path
-    (on this VM a huge page's first touch costs ~1 ms, 0.5-0.7 s for SmolLM2's 514 MB, where the
-    whole load takes ~0.4 s); `finish()`, called by the thread that runs the model between steps,
+    (on this VM a huge page's first touch costs 2-3 ms, 0.5-0.7 s for SmolLM2's 514 MB, where
+    the rest of the load takes ~0.4 s); `finish()`, called by the thread that runs the model between steps,
     waits for the copy and re-points the tensors. Until then the model runs on its weights as
     they are: nothing writes them, so the copy reads them as the steps do."""
 
