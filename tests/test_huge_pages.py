@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 from workers import huge_pages
-from workers.huge_pages import HUGE_PAGE, move_to_huge_pages, transparent_huge_pages
+from workers.huge_pages import HUGE_PAGE, HugePageMove, move_to_huge_pages, transparent_huge_pages
 
 
 def _mapping_of(address: int) -> dict[str, str]:
@@ -73,27 +75,46 @@ def test_nothing_moves_where_the_kernel_gives_no_huge_pages(tmp_path, monkeypatc
     assert transparent_huge_pages() == "unavailable" and move_to_huge_pages(model) == 0
 
 
-def test_an_engines_weights_are_on_huge_pages_from_its_first_step_with_the_same_tokens(tiny_llama, monkeypatch):
-    """The worker copies its weights beside the rest of its start and takes the copy up before
-    its first step: that step's tokens are those of the weights as loaded."""
+def test_an_engine_moves_its_weights_beside_its_start_and_its_tokens_do_not_change(tiny_llama, monkeypatch):
+    """The worker copies its weights on a thread and re-points them between steps, with no step
+    needed (an idle server does not hold them twice); its tokens before and after the move are
+    those of an engine that moves nothing."""
     from pagedserve import LLM, SamplingParams
+
+    thp = transparent_huge_pages() in ("always", "madvise")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": list(range(3, 40))}]
 
     llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=4)
     worker = llm.engine.executor.worker
-    assert (worker._weights_move is not None) == (transparent_huge_pages() in ("always", "madvise"))
     embed = worker.model.embed_tokens.weight
-    address = embed.data_ptr()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": list(range(3, 40))}]
-    moved = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert worker._weights_move is None
-    if transparent_huge_pages() in ("always", "madvise"):
-        assert embed.data_ptr() != address and worker.model.embed_tokens.weight is embed
-        assert "hg" in _mapping_of(embed.data_ptr())["VmFlags"].split()
+    assert (worker._weights_move.wait(60) > 0) == thp
+    if thp:  # moved with no step run
+        mapping = _mapping_of(embed.data_ptr())
+        assert "hg" in mapping["VmFlags"].split()
+        assert all(mapping["start"] <= p.data_ptr() < mapping["end"] for p in worker.model.parameters())
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
-    # The same model with its weights left where they were loaded.
+
     monkeypatch.setattr(huge_pages, "THP_SETTING", "/nonexistent")
     llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=4)
-    assert llm.engine.executor.worker._weights_move._thread is None  # nothing moves
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == moved
+    assert llm.engine.executor.worker._weights_move.wait(60) == 0  # nothing moves
+    unmoved = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
+    assert after == unmoved
+
+
+@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_the_tensors_are_re_pointed_only_while_no_step_holds_the_step_lock():
+    """Steps run on the weights as loaded until the copy is done; the move then waits for the
+    lock the worker holds around each step."""
+    step_lock = threading.Lock()
+    model = Tied()
+    loaded_at = model.embed.weight.data_ptr()
+    with step_lock:  # as a running step
+        move = HugePageMove(model, step_lock)
+        with pytest.raises(TimeoutError):
+            move.wait(2)
+        assert model.embed.weight.data_ptr() == loaded_at
+    assert move.wait(60) > 0
+    assert model.embed.weight.data_ptr() != loaded_at and model.head.weight is model.embed.weight

@@ -10,19 +10,22 @@ no measurable difference.
 
 So after loading, every weight and buffer of the model is copied into one anonymous mapping
 advised MADV_HUGEPAGE and the tensors are re-pointed at it. SmolLM2 fp32 through the offline
-API: one stream decoded 29.7-30.5 tok/s before, 35.9-36.0 after; four streams 102-106 before,
-108-110 after. Tensors that share a storage (tied embeddings) keep sharing it. Where the kernel
+API (benchmarks/huge_pages.py): one stream decoded 26.7 tok/s before, 32.3 after; four streams
+91.4 before, 99.0 after. Tensors that share a storage (tied embeddings) keep sharing it. Where the kernel
 gives no transparent huge pages ("never", or no THP at all) nothing is moved.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import threading
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 # Each storage starts on its own 4 KiB page, so no two storages share a cache line or a page.
@@ -57,13 +60,14 @@ def _movable(t: torch.Tensor) -> bool:
 
 class HugePageMove:
     """Moves the model's CPU parameters and buffers into one huge-page mapping (see the module
-    docstring): the copy runs on a thread of its own from creation, off the start's critical path
-    (on this VM a huge page's first touch costs 2-3 ms, 0.5-0.7 s for SmolLM2's 514 MB, where
-    the rest of the load takes ~0.4 s); `finish()`, called by the thread that runs the model between steps,
-    waits for the copy and re-points the tensors. Until then the model runs on its weights as
-    they are: nothing writes them, so the copy reads them as the steps do."""
+    docstring) on a thread of its own, off the start's critical path: on this VM a huge page's
+    first touch costs 2-3 ms, 0.5-0.7 s for SmolLM2's 514 MB, where the rest of the load takes
+    ~0.4 s. Steps meanwhile run on the weights as loaded (nothing writes them, so the copy reads
+    them as the steps do). Once copied, the thread takes `step_lock`, which the caller holds
+    around every step, re-points the tensors and lets the old storages go: an idle server does
+    not hold the weights twice waiting for a step."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, step_lock: threading.Lock | None = None):
         self.bytes = 0
         self._thread = None
         if transparent_huge_pages() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -87,23 +91,21 @@ class HugePageMove:
                 self.bytes += -(-storage.nbytes() // STORAGE_ALIGN) * STORAGE_ALIGN
         if self.bytes == 0:
             return
-        self._arena = huge_page_bytes(self.bytes)
-        # ctypes.memmove releases the GIL, and starts no torch thread pool on this thread.
-        self._thread = threading.Thread(target=self._copy, name="weights-to-huge-pages", daemon=True)
+        try:
+            self._arena = huge_page_bytes(self.bytes)
+        except OSError as e:  # no room for a second copy: the weights stay where they are
+            log.warning("weights stay on the pages they were loaded into: %s", e)
+            self.bytes = 0
+            return
+        self._step_lock = step_lock or threading.Lock()
+        self._thread = threading.Thread(target=self._move, name="weights-to-huge-pages", daemon=True)
         self._thread.start()
 
-    def _copy(self) -> None:
+    def _move(self) -> None:
         base = self._arena.data_ptr()
         for offset, storage in self._offsets.values():
+            # ctypes.memmove releases the GIL, and starts no torch thread pool on this thread.
             ctypes.memmove(base + offset, storage.data_ptr(), storage.nbytes())
-
-    def finish(self) -> int:
-        """Wait for the copy and point every moved tensor at it; returns the bytes moved (0 where
-        the kernel has no transparent huge pages). Call it where no step is running."""
-        if self._thread is None:
-            return 0
-        self._thread.join()
-        self._thread = None
         moved: dict[int, torch.Tensor] = {}  # id(tensor) -> its view of the mapping
         for *_, t in self._slots:
             if id(t) not in moved:
@@ -111,16 +113,24 @@ class HugePageMove:
                 elements = self._arena[offset:offset + storage.nbytes()].view(t.dtype)
                 moved[id(t)] = elements.as_strided(t.shape, t.stride(),
                                                    elements.storage_offset() + t.storage_offset())
-        with torch.no_grad():
+        with self._step_lock, torch.no_grad():
             for module, name, is_param, t in self._slots:
                 if is_param:
                     t.data = moved[id(t)]  # the same Parameter object: tied modules keep sharing it
                 else:
                     module._buffers[name] = moved[id(t)]
         self._slots, self._offsets, self._arena = [], {}, None  # the old storages go with them
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the move; returns the bytes moved (0 where the kernel has no transparent huge
+        pages). Not from inside a step: the move waits for the step lock."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the weights' move to huge pages took over {timeout} s")
         return self.bytes
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
-    """The whole move at once (`HugePageMove` and its `finish()`); returns the bytes moved."""
-    return HugePageMove(model).finish()
+    """The whole move, waited for (`HugePageMove`); returns the bytes moved."""
+    return HugePageMove(model).wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -52,8 +53,9 @@ class Worker:
         self.model = load_model(source, self.hf_config, self.dtype, self.device, max_model_len, tp,
                                 config.quantization)
         # A few-row step streams every weight: on huge pages it walks far fewer page tables. The
-        # copy runs beside the rest of the start and is taken up before the first step.
-        self._weights_move = HugePageMove(self.model) if self.device == "cpu" else None
+        # copy runs beside the rest of the start, and is taken up between two steps (the lock).
+        self._step_lock = threading.Lock()
+        self._weights_move = HugePageMove(self.model, self._step_lock) if self.device == "cpu" else None
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.kv_dtype)
@@ -73,14 +75,6 @@ class Worker:
         self._crash_token = fault_hook.armed_token()  # None unless a test armed the hook
         self._crash_in_publish = fault_hook.armed_in_publish()
         self.node_id = ""  # its Ray node, set by a worker actor (a shared KV store maps by node)
-
-    def finish_weights_move(self) -> None:
-        """Put the model on its huge-page copy of the weights once that copy is done (waiting for
-        it): called between steps, on the thread that runs them."""
-        if self._weights_move is not None:
-            with torch.inference_mode(False):  # views of the mapping usable in and out of it
-                self._weights_move.finish()
-            self._weights_move = None
 
     def num_available_blocks(self) -> int:
         """CPU: `kv_cache_memory` bytes. GPU: what `gpu_memory_utilization` leaves after the weights,
@@ -118,10 +112,10 @@ class Worker:
         pos = torch.arange(query_len).repeat(num_seqs)
         slots = (tables.long().repeat_interleave(bs, dim=1)[:, :query_len] * bs + torch.arange(query_len) % bs).flatten()
         meta = self._metadata(lens, lens, tables, slots)
-        self.finish_weights_move()
-        hidden = self.model(pos.to(self.device) % 7, pos.to(self.device), cache, meta)
-        if logits_rows:
-            self.model.compute_logits(hidden[torch.arange(logits_rows, device=self.device) % hidden.shape[0]])
+        with self._step_lock:
+            hidden = self.model(pos.to(self.device) % 7, pos.to(self.device), cache, meta)
+            if logits_rows:
+                self.model.compute_logits(hidden[torch.arange(logits_rows, device=self.device) % hidden.shape[0]])
 
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's cache (its KV heads)."""
@@ -150,8 +144,11 @@ class Worker:
             self.swap_space = None
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        with self._step_lock:  # the weights are not re-pointed during a step
+            return self._execute_step(plan)
+
+    def _execute_step(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
-        self.finish_weights_move()
         if self._crash_token is not None:  # armed by tests only: see workers/fault_hook.py
             fault_hook.crash_if_present(plan.input_ids, self._crash_token)
         transfers = bool(plan.swap_out or plan.swap_in or plan.load or plan.publish)
