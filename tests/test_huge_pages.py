@@ -75,6 +75,17 @@ def test_nothing_moves_where_the_kernel_gives_no_huge_pages(tmp_path, monkeypatc
     assert transparent_huge_pages() == "unavailable" and move_to_huge_pages(model) == 0
 
 
+def test_nothing_moves_where_a_second_copy_would_crowd_the_nodes_memory(monkeypatch, caplog):
+    model = Tied()
+    size = sum(t.nbytes for t in model.parameters()) + model.cos.nbytes
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: size)  # a copy would take over half
+    address = model.fused.weight.data_ptr()
+    with caplog.at_level("WARNING", logger="workers.huge_pages"):
+        assert move_to_huge_pages(model) == 0
+    assert model.fused.weight.data_ptr() == address
+    assert "would take over half of this node's available memory" in caplog.text
+
+
 def test_an_engine_moves_its_weights_beside_its_start_and_its_tokens_do_not_change(tiny_llama, monkeypatch):
     """The worker copies its weights on a thread and re-points them between steps, with no step
     needed (an idle server does not hold them twice); its tokens before and after the move are

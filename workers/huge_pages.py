@@ -25,6 +25,8 @@ import threading
 import torch
 from torch import nn
 
+from workers.kv_cache import available_memory
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -91,9 +93,16 @@ class HugePageMove:
                 self.bytes += -(-storage.nbytes() // STORAGE_ALIGN) * STORAGE_ALIGN
         if self.bytes == 0:
             return
+        available = available_memory()
+        if available is not None and self.bytes > available // 2:
+            # The copy holds the weights twice until it is taken up, and the KV pool still needs room.
+            log.warning("weights stay on the pages they were loaded into: a second copy (%d bytes) would take "
+                        "over half of this node's available memory (%d bytes)", self.bytes, available)
+            self.bytes = 0
+            return
         try:
             self._arena = huge_page_bytes(self.bytes)
-        except OSError as e:  # no room for a second copy: the weights stay where they are
+        except OSError as e:  # the mapping refused: the weights stay where they are
             log.warning("weights stay on the pages they were loaded into: %s", e)
             self.bytes = 0
             return
@@ -102,6 +111,13 @@ class HugePageMove:
         self._thread.start()
 
     def _move(self) -> None:
+        try:
+            self._copy_and_repoint()
+        except Exception:  # the weights stay where they were loaded, and serve as they did
+            log.exception("moving the weights onto huge pages failed; they stay where they were loaded")
+            self.bytes = 0
+
+    def _copy_and_repoint(self) -> None:
         base = self._arena.data_ptr()
         for offset, storage in self._offsets.values():
             # ctypes.memmove releases the GIL, and starts no torch thread pool on this thread.
