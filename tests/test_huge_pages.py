@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from workers import huge_pages
-from workers.huge_pages import HUGE_PAGE, HugePageMove, move_to_huge_pages, transparent_huge_pages
+from workers.huge_pages import HUGE_PAGE, HugePageMove, huge_pages_available, move_to_huge_pages, transparent_huge_pages
 
 
 def _mapping_of(address: int) -> dict[str, str]:
@@ -40,7 +40,7 @@ class Tied(nn.Module):
         self.register_buffer("cos", torch.randn(4096, 32), persistent=False)
 
 
-@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages")
 def test_weights_move_to_one_huge_page_mapping_with_the_same_values_and_sharing():
     model = Tied()
     before = {name: t.clone() for name, t in model.state_dict().items()}
@@ -92,7 +92,7 @@ def test_an_engine_moves_its_weights_beside_its_start_and_its_tokens_do_not_chan
     those of an engine that moves nothing."""
     from pagedserve import LLM, SamplingParams
 
-    thp = transparent_huge_pages() in ("always", "madvise")
+    thp = huge_pages_available()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": list(range(3, 40))}]
 
@@ -115,7 +115,7 @@ def test_an_engine_moves_its_weights_beside_its_start_and_its_tokens_do_not_chan
     assert after == unmoved
 
 
-@pytest.mark.skipif(transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages")
 def test_the_tensors_are_re_pointed_only_while_no_step_holds_the_step_lock():
     """Steps run on the weights as loaded until the copy is done; the move then waits for the
     lock the worker holds around each step."""

@@ -11,8 +11,8 @@ no measurable difference.
 So after loading, every weight and buffer of the model is copied into one anonymous mapping
 advised MADV_HUGEPAGE and the tensors are re-pointed at it. SmolLM2 fp32 through the offline
 API (benchmarks/huge_pages.py): one stream decoded 26.7 tok/s before, 32.3 after; four streams
-91.4 before, 99.0 after. Tensors that share a storage (tied embeddings) keep sharing it. Where the kernel
-gives no transparent huge pages ("never", or no THP at all) nothing is moved.
+91.4 before, 99.0 after. Tensors that share a storage (tied embeddings) keep sharing it. Where
+the kernel gives no transparent huge pages ("never", or no THP at all) nothing is moved.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def transparent_huge_pages() -> str:
     return text[start + 1:end] if 0 <= start < end else "unavailable"
 
 
+def huge_pages_available() -> bool:
+    """Whether a mapping advised MADV_HUGEPAGE gets huge pages here."""
+    return transparent_huge_pages() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
+
+
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeroed memory starting on a 2 MiB boundary, in a mapping advised MADV_HUGEPAGE
     (the tensor holds the mapping: it is unmapped with its last view)."""
@@ -72,7 +77,7 @@ class HugePageMove:
     def __init__(self, model: nn.Module, step_lock: threading.Lock | None = None):
         self.bytes = 0
         self._thread = None
-        if transparent_huge_pages() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if not huge_pages_available():
             return
         # (module, name, is a parameter, tensor); a tensor reached through two modules (tied
         # embeddings) is listed at each, and moved once.
