@@ -112,7 +112,9 @@ class HugePageMove:
             self.bytes = 0
             return
         self._step_lock = step_lock or threading.Lock()
-        self._thread = threading.Thread(target=self._move, name="weights-to-huge-pages", daemon=True)
+        # Not a daemon: a process that exits mid-move waits for it (under a second), where a daemon
+        # thread still in torch's code as the interpreter finalizes aborts the process.
+        self._thread = threading.Thread(target=self._move, name="weights-to-huge-pages")
         self._thread.start()
 
     def _move(self) -> None:
