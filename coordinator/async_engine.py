@@ -62,6 +62,7 @@ class AsyncEngine:
         self._grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._ids = itertools.count()
         self._num_checking = 0  # requests being tokenized and checked: they count as queued
+        self._num_waiting = 0  # the scheduler's waiting requests, as of the last step
         self._abort_reasons: dict[str, str] = {}  # of aborts that are not a client's cancel
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
@@ -96,7 +97,7 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        return self._num_checking + len(self._adds) + len(self.llm_engine.scheduler.waiting)
+        return self._num_checking + len(self._adds) + self._num_waiting
 
     async def drain(self, timeout: float) -> int:
         """Let the requests in flight finish for up to `timeout` seconds (new ones are the front
@@ -235,6 +236,7 @@ class AsyncEngine:
                         await self._wakeup.wait()
                     continue
                 outputs = await loop.run_in_executor(self._thread, self.llm_engine.step)
+                self._count_waiting()
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
@@ -264,6 +266,12 @@ class AsyncEngine:
         for request_id in aborts:
             engine.abort_request(request_id, self._abort_reasons.pop(request_id, "abort"))
         engine.refresh_stats()  # once for the lot: no step runs now
+        self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        """Taken between steps: a handler reading the scheduler's queue mid-step could see it
+        change under it (the step runs on its own thread)."""
+        self._num_waiting = self.llm_engine.scheduler.num_waiting_requests
 
     def replica_engines(self) -> list[tuple[str, LLMEngine]]:
         """(replica label, engine) for the metrics: one replica, "0" (a Router has several)."""

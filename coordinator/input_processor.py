@@ -19,6 +19,17 @@ from coordinator.sampling_params import SamplingParams
 from coordinator.structured_output import GrammarCompiler
 
 
+class PromptError(ValueError):
+    """A refusal of the prompt itself, not of a parameter. `detail`: the refusal without the
+    request field's name in front, for a front door whose prompt field has a name of its own (the
+    Responses API's `input`); `by_template`: the chat template itself refused the messages."""
+
+    def __init__(self, message: str, detail: str | None = None, by_template: bool = False):
+        super().__init__(message)
+        self.detail = message if detail is None else detail
+        self.by_template = by_template
+
+
 class InputProcessor:
     """`chat_template`: the template that replaces the tokenizer's (a server's --chat-template);
     `trust_request_chat_template`: whether a request may bring its own (the offline API's caller
@@ -64,7 +75,7 @@ class InputProcessor:
                                                      return_dict=False, add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message, **kwargs)
         except Exception as e:  # a template's own refusal (roles out of order, ...) is the client's to fix
-            raise ValueError(f"messages: the chat template refused them: {e}") from None
+            raise PromptError(f"messages: the chat template refused them: {e}", str(e), by_template=True) from None
         return list(ids)
 
     def check_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -73,21 +84,21 @@ class InputProcessor:
         the last so many (-1: as many as leave room for one new token)."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string; got {type(prompt).__name__}")
+                raise PromptError(f"prompt must be a string; got {type(prompt).__name__}")
             prompt_token_ids = self.tokenizer.encode(prompt)
         try:  # numpy and torch integers are welcome; floats and strings are not
             prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
         except TypeError:
-            raise ValueError("prompt_token_ids must be a list of integers") from None
+            raise PromptError("prompt_token_ids must be a list of integers") from None
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+            raise PromptError("prompt must not be empty")
         if truncate_to is not None:
             prompt_token_ids = prompt_token_ids[-(self.max_model_len - 1 if truncate_to == -1 else truncate_to):]
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
+            raise PromptError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
+            raise PromptError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
                              f"max_model_len ({self.max_model_len}) to leave room for one new token")
         return prompt_token_ids
 
@@ -112,8 +123,8 @@ class InputProcessor:
             rendered = self.chat_prompt_ids(messages, **(chat_options or {}))
             try:  # a chat has no prompt field: its messages are what the client sent
                 prompt_token_ids = self.check_prompt(None, rendered, params.truncate_prompt_tokens)
-            except ValueError as e:
-                raise ValueError(f"messages, as the chat template renders them: {e}") from None
+            except PromptError as e:
+                raise PromptError(f"messages, as the chat template renders them: {e}", e.detail) from None
         if max_tokens_field is not None and params.max_tokens is not None:
             room = self.max_model_len - len(prompt_token_ids)
             if params.max_tokens > room:

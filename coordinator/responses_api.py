@@ -33,6 +33,7 @@ from typing import Any
 
 from coordinator.async_engine import AsyncEngine
 from coordinator.conversations import Conversation, ConversationStore
+from coordinator.input_processor import PromptError
 from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat, usage
 from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
@@ -439,13 +440,10 @@ class ResponsesServing:
         (the engine's checks name a chat's `messages` or a prompt's `prompt`)."""
         try:
             return await self._start(*args)
-        except ValueError as e:
-            text = str(e)
-            if text.startswith("messages, as the chat template renders them: "):
-                raise ValueError("input, as the chat template renders it: " + text.split(": ", 1)[1]) from None
-            if text.startswith("prompt"):
-                raise ValueError(f"input, as the chat template renders it: {text}") from None
-            raise
+        except PromptError as e:
+            if e.by_template:
+                raise ValueError(f"input: the chat template refused it: {e.detail}") from None
+            raise ValueError(f"input, as the chat template renders it: {e.detail}") from None
 
     async def _start(self, turn: _Turn, chat: ChatCompletionRequest, tools, reasoning: ReasoningTags, params,
                      field: str | None) -> dict | ChunkStream:

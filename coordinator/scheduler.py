@@ -172,6 +172,12 @@ class Scheduler:
             group.beam.done = True  # the hypotheses so far are the answer
         return group
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting for admission: a request's preempted samples or parked
+        beams count it once."""
+        return len({seq.request_id for seq in self.waiting})
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self._waiting_since[seq.seq_id] = self.num_steps

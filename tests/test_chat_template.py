@@ -17,6 +17,7 @@ import ray
 
 import pagedserve
 from coordinator.chat_template import load_chat_template
+from coordinator.input_processor import PromptError
 from coordinator.server_options import ServerOptions
 from pagedserve import LLM, SamplingParams, cli
 from pagedserve.config import EngineConfig
@@ -78,6 +79,10 @@ def test_llm_chat_takes_a_template_and_its_variables(no_template_model, bundled_
     assert cont.prompt_token_ids == expected_ids(bundled_tokenizer, "<user> Hi there\n")
     with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
         llm.chat(HI, params, use_tqdm=False, chat_template=TEMPLATE, chat_template_kwargs={"tokenize": False})
+    # a template's own refusal names the field, and keeps its reason apart for a door that names it otherwise
+    with pytest.raises(PromptError, match="^messages: the chat template refused them: roles must alternate") as info:
+        llm.chat(HI, params, use_tqdm=False, chat_template="{{ raise_exception('roles must alternate') }}")
+    assert info.value.by_template and info.value.detail == "roles must alternate"
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
 
 

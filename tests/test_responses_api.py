@@ -203,6 +203,15 @@ def test_refusals_name_their_field(server, body, param):
     assert param in error["message"]
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_an_input_too_long_once_rendered_is_refused_naming_input(client, server, background):
+    """The engine's check of the rendered prompt, under this API's field name (not `messages`)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=server.model, input="word " * 1100, background=background)  # > 1,024 tokens
+    assert info.value.body["param"] == "input"
+    assert info.value.body["message"].startswith("input, as the chat template renders it: prompt has "), info.value.body
+
+
 def _settled(client, response_id: str, timeout: float = 60.0):
     """The stored response once it has left `queued` and `in_progress`."""
     deadline = time.monotonic() + timeout

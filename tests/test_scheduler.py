@@ -299,6 +299,26 @@ def test_sequence_that_is_newest_preempts_itself():
     assert_no_leak(kv)
 
 
+def test_a_requests_preempted_samples_count_it_once_among_the_waiting_requests():
+    """The queue limit (`--max-queued-requests`) counts requests: an n=3 request whose samples
+    were preempted is one waiting request, not three."""
+    sched, kv = make_scheduler(num_blocks=3)
+    sched.add_request("a", [1, 2, 3, 4], SamplingParams(n=3, temperature=1.0, max_tokens=None))
+    sched.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=None))
+    assert sched.num_waiting_requests == 2
+    out = sched.schedule()  # both prompts: a block each; a forks into 3 samples on a's block
+    first = out.scheduled[0][0]
+    sampled = {seq.seq_id: SAMPLED for seq, _ in out.scheduled} | {fork: SAMPLED for fork in first.fork_ids}
+    sched.update_from_output(out, worker_output(out, sampled), IterationStats())
+    kv.end_step()
+    assert sched.num_waiting_requests == 0 and len(sched.running) == 4
+    run_step(sched)  # one free block for four sequences that each need one: three are preempted
+    assert sorted(seq.request_id for seq in sched.waiting) == ["a", "a", "b"]
+    assert sched.num_waiting_requests == 2
+    finish_all(sched)
+    assert_no_leak(kv)
+
+
 def test_nothing_is_admitted_in_a_step_that_preempted_even_if_it_would_fit():
     # c duplicates b's prompt but was admitted with b, so its first block is an unregistered
     # duplicate: once preempted, c would fit again through a prefix hit on b's block.
