@@ -29,6 +29,9 @@ _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatCompleti
                                                   DetokenizeRequest, ResponsesRequest)))
 _RENAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}  # the engine's names for HTTP's fields
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names of union members
+# vLLM's structured-output fields before 0.12, which clients still send: where each went.
+_MOVED = {f"guided_{kind}": f"structured_outputs: {{\"{kind}\": ...}}" for kind in ("json", "regex", "choice", "grammar")}
+_MOVED["guided_decoding_backend"] = "nothing (leave it out: this server has one backend)"
 
 
 class ApiError(Exception):
@@ -73,6 +76,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if kind == "json_invalid":  # its loc is a character position
         return f"the body is not valid JSON: {first.get('msg')}", None
     if kind == "extra_forbidden":
+        if param in _MOVED:
+            return f"{param} is vLLM's old name (removed in vLLM 0.12); send {_MOVED[param]}", param
         return f"{param} is not a field of this request (unknown, or not supported by this server)", param
     if kind == "missing":
         return f"{param} is required", param

@@ -198,6 +198,8 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
     assert "max_model_len (1024)" in refused(openai.BadRequestError, prompt=[11] * 1100)["message"]
     assert refused(openai.BadRequestError, suffix="!")["param"] == "suffix"  # would change the output
     assert refused(openai.BadRequestError, extra_body={"frobnicate": 1})["param"] == "frobnicate"
+    moved = refused(openai.BadRequestError, extra_body={"guided_choice": ["yes", "no"]})  # vLLM's name before 0.12
+    assert moved["param"] == "guided_choice" and 'send structured_outputs: {"choice": ...}' in moved["message"]
     assert refused(openai.BadRequestError, max_tokens="many")["param"] == "max_tokens"
     refused(openai.BadRequestError, prompt=["a", "b", "c", "d"])  # more prompts than the queue holds
     assert refused(openai.NotFoundError, model="gpt-4")["code"] == "model_not_found"
