@@ -30,7 +30,8 @@ _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatCompleti
 _RENAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}  # the engine's names for HTTP's fields
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic's names of union members
 # vLLM's structured-output fields before 0.12, which clients still send: where each went.
-_MOVED = {f"guided_{kind}": f"structured_outputs: {{\"{kind}\": ...}}" for kind in ("json", "regex", "choice", "grammar")}
+_MOVED = {f"guided_{kind}": f"structured_outputs: {{\"{kind}\": ...}}"
+          for kind in ("json", "regex", "choice", "grammar")}
 _MOVED["guided_decoding_backend"] = "nothing (leave it out: this server has one backend)"
 
 
