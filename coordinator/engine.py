@@ -120,7 +120,7 @@ class LLMEngine:
         # The tokenizer (seconds: it imports transformers and torch) loads in a thread while the
         # workers import torch and load the model: a cold start overlaps the two.
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, source)
+            tokenizer = pool.submit(load_tokenizer, source, config.tokenizer)
             executor = build_executor()
             try:
                 tokenizer = tokenizer.result()

@@ -12,7 +12,7 @@ import time
 from coordinator.server_options import REASONING_PARSERS, ROUTING_POLICIES, TOOL_CALL_PARSERS
 from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
-_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 DEMO_PROMPTS = [
     "The capital of France is",

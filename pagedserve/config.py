@@ -65,6 +65,11 @@ class SpeculativeConfig:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = field(default=BUNDLED_MODEL_ALIAS, metadata={"help": "HF folder, .gguf file or alias"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "folder of the tokenizer, when not the model's (vLLM's --tokenizer); default: the model's"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted as vLLM takes it, and changes nothing: pagedserve runs its own code for each "
+                "architecture it supports, never a checkpoint's"})
     dtype: str = field(default="float32", metadata={"help": "weights and activations dtype (and the KV cache's by default)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache dtype, as vLLM's --kv-cache-dtype: auto (the model's dtype) or bfloat16 (CPU, a "
@@ -137,6 +142,9 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed values; change nothing."""
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and os.path.isdir(self.tokenizer)):
+            raise ValueError(f"tokenizer must be a folder holding a tokenizer (tokenizer.json or the files of "
+                             f"one); got {self.tokenizer!r}")
         _one_of("dtype", self.dtype, _DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
         if self.kv_cache_dtype == "bfloat16" and self.dtype not in ("bfloat16", "float32", "auto"):

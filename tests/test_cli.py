@@ -27,6 +27,8 @@ def test_the_model_may_be_positional_as_vllm_serve_takes_it(capsys):
     assert cli.config_from_args(parser.parse_args(["serve", "./my-llama", "--port", "6000"])).model == "./my-llama"
     assert cli.config_from_args(parser.parse_args(["serve", "./a", "--model", "./a"])).model == "./a"
     assert cli.config_from_args(parser.parse_args(["serve"])).model == BUNDLED_MODEL_ALIAS  # the default
+    vllm_style = cli.config_from_args(parser.parse_args(["serve", "--trust-remote-code", "--tokenizer", "/tmp"]))
+    assert vllm_style.trust_remote_code and vllm_style.tokenizer == "/tmp"
     assert cli.main(["serve", "./a", "--model", "./b"]) == 2  # refused before any Ray starts
     assert "positional MODEL './a' and --model './b' differ" in capsys.readouterr().err
 

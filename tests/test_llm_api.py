@@ -186,6 +186,26 @@ def test_invalid_engine_settings_name_the_field():
         resolve_model("/nonexistent/model")
 
 
+def test_a_tokenizer_kept_apart_from_the_weights_is_named_by_tokenizer(tiny_llama, tmp_path):
+    """vLLM's `tokenizer` argument: weights in one folder, the tokenizer in another; and vLLM's
+    `trust_remote_code`, which scripts pass routinely, is taken."""
+    import shutil
+
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny_llama, weights, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "vocab*",
+                                                                       "merges*", "chat_template*"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_llama, kv_cache_memory=1 << 22) as whole:
+        want = whole.generate("The capital of France is", params, use_tqdm=False)[0]
+    with pytest.raises(ValueError, match="tokenizer: none could be loaded from .*name its folder with tokenizer="):
+        LLM(str(weights), kv_cache_memory=1 << 22)
+    with LLM(str(weights), tokenizer=tiny_llama, trust_remote_code=True, kv_cache_memory=1 << 22) as apart:
+        got = apart.generate("The capital of France is", params, use_tqdm=False)[0]
+    assert (got.prompt_token_ids, got.outputs[0].text) == (want.prompt_token_ids, want.outputs[0].text)
+    with pytest.raises(ValueError, match="tokenizer must be a folder holding a tokenizer"):
+        EngineConfig(tokenizer=str(tmp_path / "missing"))
+
+
 def test_max_model_len_larger_than_the_pool_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="exceeds the KV pool"):
         LLM(tiny_llama, kv_cache_memory=8192 * 4, max_model_len=100)

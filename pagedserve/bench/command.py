@@ -95,7 +95,7 @@ def run_bench(args, api_key: str | None) -> int:
     try:
         _check(args)
         source = resolve_model(args.model)
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(source, args.tokenizer)
         requests = _workload(args, tokenizer)
     except (ValueError, OSError) as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)
