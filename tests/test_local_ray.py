@@ -1,6 +1,6 @@
-"""A local Ray started by pagedserve has no API server (the dashboard being off) and no log monitor
-while it comes up; `serve` starts the monitor once it serves, and the workers' lines written before
-that still reach the driver.
+"""A local Ray started by pagedserve has no API server (the dashboard being off), a minimal
+dashboard agent, and no log monitor while it comes up; `serve` starts the monitor once it serves,
+and the workers' lines written before that still reach the driver.
 
 Each case runs in its own interpreter: the test session's Ray is already initialised."""
 
@@ -33,6 +33,10 @@ class Talker:
 talker = Talker.remote()
 assert ray.get(talker.say.remote("written-before-the-monitor"))
 print("before:", daemons("log_monitor.py"), daemons("dashboard.py"), flush=True)
+# (the agent sets its process title: its whole command line comes as one string)
+agents = [line for line in (" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+          if "dashboard/agent.py" in line and session in line]
+print("minimal agent:", len(agents) == 1 and " --minimal" in agents[0], flush=True)
 if LOG_TO_DRIVER:
     print("started:", start_deferred_log_monitor(), flush=True)
     print("again:", start_deferred_log_monitor(), flush=True)  # one monitor, not two
@@ -80,6 +84,7 @@ def _run(script: str) -> str:
 def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
     out = _run(SCRIPT.replace("LOG_TO_DRIVER", "True"))
     assert "before: 0 0" in out
+    assert "minimal agent: True" in out  # the raylet's dashboard agent without the dashboard's modules
     assert "started: True" in out and "again: False" in out
     assert "after: 1 0" in out  # the monitor; still no API server
     # The actor's line, written before the monitor existed, reached the driver through it.
