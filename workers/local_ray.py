@@ -14,10 +14,10 @@ on the critical path of `ray.init`:
   (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks) never starts it.
 
 And one daemon starts in a lighter form: the raylet's dashboard agent (the raylet registers only
-once it is up) runs minimal, as in a `pip install ray` without the dashboard's extras. It loses
-the modules that answer the API server (jobs, logs, events), which is not started, and Ray's own
-node metrics (pagedserve exports its own). Ray decides the form by importing those extras in the
-driver (0.25 s of its CPU in a py-spy profile, before the raylet starts). Cached `serve` starts
+once it is up) runs minimal, as in a `pip install ray` without the dashboard's extras: without its
+gRPC server (Ray's own metrics agent; pagedserve exports its own metrics) and its HTTP server
+(which answers the API server, not started here). Ray decides the form by importing those extras
+in the driver, 0.25 s of its CPU in a py-spy profile, before the raylet starts. Cached `serve` starts
 took 6.10 and 6.25 s against 6.42 and 6.57 s (Ray up 2.94 against 3.15-3.18 s;
 `cold_start.py --cached-starts 3`, alternated).
 
