@@ -99,7 +99,7 @@ class InputProcessor:
             raise PromptError(f"prompt_token_ids must lie in [0, {self.vocab_size}); got {bad[0]!r}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptError(f"prompt has {len(prompt_token_ids)} tokens; it must be shorter than "
-                             f"max_model_len ({self.max_model_len}) to leave room for one new token")
+                              f"max_model_len ({self.max_model_len}) to leave room for one new token")
         return prompt_token_ids
 
     def process(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
