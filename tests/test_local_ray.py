@@ -32,6 +32,14 @@ class Talker:
 
 talker = Talker.remote()
 assert ray.get(talker.say.remote("written-before-the-monitor"))
+# The runtime-env agent (its port picked before the raylet starts) still serves an actor's runtime_env.
+@ray.remote
+def env_var():
+    import os
+    return os.environ.get("PAGEDSERVE_LOCAL_RAY_TEST")
+port = ray._private.worker._global_node.runtime_env_agent_port
+with_env = env_var.options(runtime_env={"env_vars": {"PAGEDSERVE_LOCAL_RAY_TEST": "yes"}})
+print("runtime env:", port > 0, ray.get(with_env.remote()), flush=True)
 print("before:", daemons("log_monitor.py"), daemons("dashboard.py"), flush=True)
 # (the agent sets its process title: its whole command line comes as one string)
 agents = [line for line in (" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
@@ -84,7 +92,8 @@ def _run(script: str) -> str:
 def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
     out = _run(SCRIPT.replace("LOG_TO_DRIVER", "True"))
     assert "before: 0 0" in out
-    assert "minimal agent: True" in out  # the raylet's dashboard agent without the dashboard's modules
+    assert "minimal agent: True" in out  # the raylet's dashboard agent without its servers
+    assert "runtime env: True yes" in out
     assert "started: True" in out and "again: False" in out
     assert "after: 1 0" in out  # the monitor; still no API server
     # The actor's line, written before the monitor existed, reached the driver through it.
