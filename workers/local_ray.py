@@ -131,8 +131,8 @@ def _no_log_monitor():
 def _minimal_dashboard_agent():
     """The raylet's dashboard agent in its minimal form, as a `pip install ray` without the
     dashboard's extras runs it: Ray picks the form by importing those extras in the driver. The
-    raylet is told beforehand the two ports that agent would publish last (see the module's
-    docstring), so that it does not wait for them."""
+    raylet is told beforehand the ports it would wait for the agents to publish
+    (`_tell_agent_ports`), so that it registers without waiting on them."""
     from ray._private import utils
     from ray._private.node import Node
 
