@@ -47,15 +47,15 @@ def dense_weights_path(source: ModelSource) -> Path:
 def load_tokenizer(source: ModelSource, folder: str | None = None):
     """The model's tokenizer: from its folder, or from a GGUF file's cached conversion; or the one
     in `folder` (a tokenizer kept apart from the weights)."""
-    if folder is not None or not source.gguf_file:
-        folder = folder if folder is not None else source.directory
-        try:
-            return _auto_tokenizer(folder)
-        except Exception as e:  # transformers' reasons run over several lines
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
-            raise ValueError(f"tokenizer: none could be loaded from {folder} ({reason}); where the tokenizer is "
-                             "kept apart from the weights, name its folder with tokenizer= (--tokenizer)") from e
-    return _cached_part(source, "tokenizer", _auto_tokenizer, read_cached=_saved_tokenizer)
+    if folder is None and source.gguf_file:
+        return _cached_part(source, "tokenizer", _auto_tokenizer, read_cached=_saved_tokenizer)
+    folder = folder if folder is not None else source.directory
+    try:
+        return _auto_tokenizer(folder)
+    except Exception as e:  # transformers' reasons run over several lines
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"tokenizer: none could be loaded from {folder} ({reason}); where the tokenizer is "
+                         "kept apart from the weights, name its folder with tokenizer= (--tokenizer)") from e
 
 
 def _auto_tokenizer(path: str, **kwargs):
