@@ -22,6 +22,7 @@ import platform
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # The GGUF dequantizing bar is plain tqdm, which reads this only when it is first imported.
@@ -209,13 +210,29 @@ class KVTrace:
         }
 
 
+def wait_for_full_speed(run_tiny_request, read_stats, timeout: float = 300.0) -> float:
+    """Run tiny requests until a step has run with the weights on huge pages (workers/huge_pages.py)
+    and return the seconds waited. A worker copies its weights there beside its start; on a VM
+    whose memory the host backs lazily that copy takes seconds of a core, and a run timed from the
+    start would time the copy too."""
+    started = time.perf_counter()
+    while True:
+        run_tiny_request()
+        if not read_stats().get("weights_moving_to_huge_pages", 0):
+            return time.perf_counter() - started
+        if time.perf_counter() - started > timeout:
+            raise TimeoutError(f"the weights were still moving onto huge pages after {timeout:.0f} s")
+        time.sleep(0.25)
+
+
 def run_pagedserve(args, requests: list[Request]) -> dict:
     llm = LLM(model=MODEL, dtype=args.dtype, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)  # first-call costs
+    wait_for_full_speed(partial(llm.generate, [{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False),
+                        llm.stats)  # and first-call costs
     before = llm.stats()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]

@@ -9,6 +9,9 @@ lengths, EOS ignored). In one run:
   one worker actor per tensor-parallel rank), all requests sent at once as concurrent gRPC
   streams from an `AsyncClient`, timed from the first send to the last token received.
 
+Both sides are timed once their worker's weights are on huge pages (`wait_for_full_speed`: a
+copy that runs beside a worker's start, for seconds on a VM whose memory the host backs lazily).
+
 It reports both throughputs, their ratio (served / offline), whether the greedy tokens agree,
 and the server's own figure of what the executor adds per engine step beyond rank 0's compute
 (`executor_overhead_us_per_step`: Ray actor calls and serialization).
@@ -30,6 +33,7 @@ import gc
 import os
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -78,8 +82,9 @@ def run_offline(args, requests, flags: dict | None = None) -> dict:
     """Greedy tokens of every request through `LLM.generate`, timed, with the engine's stats;
     `flags`: the engine's, engine_flags(args) unless given."""
     llm = LLM(**(flags or engine_flags(args)))
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)  # first-call costs
+    tiny = SamplingParams(temperature=0.0, max_tokens=2)
+    workload.wait_for_full_speed(partial(llm.generate, [{"prompt_token_ids": [1, 2, 3]}], tiny, use_tqdm=False),
+                                 llm.stats)  # and first-call costs
     before = llm.stats()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
@@ -115,6 +120,8 @@ def run_served(args, requests) -> dict:
     try:
         startup_s = server.wait_healthy(args.server_start_timeout)
         with pagedserve.Client(target, timeout=30) as client:
+            workload.wait_for_full_speed(lambda: client.generate([1, 2, 3], max_tokens=2, temperature=0.0),
+                                         client.stats)  # as the offline side
             before = client.stats()
         loop = asyncio.new_event_loop()
         with workload.Stopwatch() as watch:

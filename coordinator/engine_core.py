@@ -49,6 +49,7 @@ class EngineCore:
         stats.execute_seconds = time.perf_counter() - executed
         stats.worker_seconds = output.worker_seconds
         stats.swap_seconds = output.swap_seconds
+        stats.weights_moving = output.weights_moving
         if out.publish or (out.load and scheduler.kv.handoff is not None):
             stats.pd_transfers.append((len(out.publish), output.publish_seconds, len(out.load), output.load_seconds))
         with lock:

@@ -88,6 +88,7 @@ class EngineMetrics:
         self.num_generation_tokens = 0
         self.execute_seconds = 0.0
         self.worker_seconds = 0.0
+        self.weights_moving = False  # as of the last step: see StepOutput.weights_moving
         self.worker_restarts: Counter[str] = Counter()  # by cause: death, hang, error
         self.requests_resumed = 0
         self.kv_checksum_failures = 0  # CPU blocks whose checksum failed when read back
@@ -128,6 +129,7 @@ class EngineMetrics:
         if it.step_seconds:
             self.execute_seconds += it.execute_seconds
             self.worker_seconds += it.worker_seconds
+            self.weights_moving = it.weights_moving
             if it.num_scheduled_tokens:
                 observe["tokens_per_step"].observe(it.num_scheduled_tokens)
             if it.swap_seconds:

@@ -66,6 +66,7 @@ class IterationStats:
     execute_seconds: float = 0.0  # executor.execute as the engine sees it
     worker_seconds: float = 0.0  # of which rank 0 computed; the rest is dispatch overhead
     swap_seconds: float = 0.0  # of which its swaps and CPU-tier transfers took
+    weights_moving: bool = False  # a rank's weights were still being copied onto huge pages
     worker_restarts: list[str] = field(default_factory=list)  # causes: death, hang, error
     requests_resumed: int = 0
     recovery_seconds: list[float] = field(default_factory=list)  # fault detected to workers back
@@ -160,6 +161,9 @@ def engine_stats(engine) -> dict:
             1e6 * (metrics.execute_seconds - metrics.worker_seconds) / max(1, s.num_steps)),
         # Rank 0's own compute over all steps: against wall time, what the model's work took.
         "worker_compute_seconds": metrics.worker_seconds,
+        # 1 while the last step ran beside the weights' copy onto huge pages (workers/huge_pages.py):
+        # the engine is not yet at full speed. Over replicas: how many.
+        "weights_moving_to_huge_pages": int(metrics.weights_moving),
         **metrics.summary(),
     }
 

@@ -129,3 +129,33 @@ def test_the_tensors_are_re_pointed_only_while_no_step_holds_the_step_lock():
         assert model.embed.weight.data_ptr() == loaded_at
     assert move.wait(60) > 0
     assert model.embed.weight.data_ptr() != loaded_at and model.head.weight is model.embed.weight
+
+
+def test_the_engine_reports_steps_that_ran_while_the_weights_were_still_moving(tiny_llama, monkeypatch):
+    """`weights_moving_to_huge_pages` is 1 after a step that ran beside the copy (held here until
+    released) and 0 after one that ran once it was done: what a benchmark waits for before timing."""
+    import threading
+
+    from pagedserve import LLM, SamplingParams
+
+    release = threading.Event()
+    copy = huge_pages.HugePageMove._copy_and_repoint
+
+    def held_copy(self):
+        release.wait(60)
+        copy(self)
+
+    monkeypatch.setattr(huge_pages.HugePageMove, "_copy_and_repoint", held_copy)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 22, max_num_seqs=4)
+    try:
+        assert llm.stats()["weights_moving_to_huge_pages"] == 0  # no step yet
+        llm.generate([{"prompt_token_ids": [5, 9, 13]}], params, use_tqdm=False)
+        assert llm.stats()["weights_moving_to_huge_pages"] == int(huge_pages_available())
+        release.set()
+        llm.engine.executor.worker._weights_move.wait(60)
+        llm.generate([{"prompt_token_ids": [5, 9, 13]}], params, use_tqdm=False)
+        assert llm.stats()["weights_moving_to_huge_pages"] == 0
+    finally:
+        release.set()
+        llm.shutdown()

@@ -66,10 +66,12 @@ class Executor(ABC):
 
 
 def merge_rank_outputs(outputs: list[StepOutput]) -> StepOutput:
-    """Rank 0's output, reporting the CPU blocks whose checksum failed on any rank: each rank
-    checks only its own shard, and one bad shard spoils the block."""
+    """Rank 0's output, reporting the CPU blocks whose checksum failed on any rank (each rank
+    checks only its own shard, and one bad shard spoils the block) and whether any rank's weights
+    were still moving onto huge pages."""
     merged = outputs[0]
     merged.corrupt_cpu_blocks = sorted({c for out in outputs for c in out.corrupt_cpu_blocks})
+    merged.weights_moving = any(out.weights_moving for out in outputs)
     return merged
 
 

@@ -144,6 +144,10 @@ class HugePageMove:
                     module._buffers[name] = moved[id(t)]
         self._slots, self._offsets, self._arena = [], {}, None  # the old storages go with them
 
+    def running(self) -> bool:
+        """Whether the copy is still under way."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the move; returns the bytes moved (0 where the kernel has no transparent huge
         pages). Not from inside a step: the move waits for the step lock."""

@@ -107,6 +107,9 @@ class StepOutput:
     # seq_id -> (first prompt position, [TokenLogprobs of the token after each position])
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     worker_seconds: float = 0.0  # rank 0's own time in execute: the rest of a step is dispatch
+    # A rank's weights were still being copied onto huge pages (workers/huge_pages.py): steps
+    # run on the weights as loaded meanwhile, and share the cores with the copy.
+    weights_moving: bool = False
     swap_seconds: float = 0.0  # of which its swap and CPU-tier transfers took
     publish_seconds: float = 0.0  # of which its `publish` writes took
     load_seconds: float = 0.0  # of which its `load` reads took (a GPU's: with the step's wait for copies)

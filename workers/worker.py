@@ -172,6 +172,7 @@ class Worker:
             if plan.load:  # the copies are not told apart on a GPU: the wait counts for the loads
                 output.load_seconds += waited
         output.worker_seconds = time.perf_counter() - start
+        output.weights_moving = self._weights_move is not None and self._weights_move.running()
         output.swap_seconds = transfer_seconds if transfers else 0.0
         return output
 
