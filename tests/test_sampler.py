@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coordinator.sampling_params import SamplingParams
-from workers.sampler import Sampler, process_logits
+from workers.sampler import Sampler, argmax_rows, process_logits
 from workers.step_plan import SeqSampling
 
 
@@ -24,6 +24,21 @@ def _support(logits_row, params, draws=400):
 def test_greedy_picks_argmax_per_row():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 4.9]])
     assert Sampler()(logits.clone(), [_params(temperature=0.0)] * 2)[0].tolist() == [1, 0]
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    """`argmax_rows` (torch's `max`, the faster CPU kernel) against `argmax` where they could part:
+    ties, -inf rows and masks, NaN, a vocabulary-sized row."""
+    torch.manual_seed(0)
+    tied = torch.randint(-2, 3, (64, 49152)).float()  # every row has many tied maxima
+    masked = torch.randn(8, 1000)
+    masked[:, ::3] = float("-inf")
+    masked[5] = float("-inf")
+    odd = torch.randn(3, 17)
+    odd[1, 4] = float("nan")
+    for x in (tied, masked, odd, torch.randn(64, 49152).bfloat16()):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert Sampler()(torch.tensor([[1.0, 7.0, 7.0, 2.0]]), [_params(temperature=0.0)])[0].tolist() == [1]
 
 
 def test_top_k_keeps_only_the_k_largest():
