@@ -22,7 +22,6 @@ import platform
 import random
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 # The GGUF dequantizing bar is plain tqdm, which reads this only when it is first imported.
@@ -212,9 +211,9 @@ class KVTrace:
 
 def wait_for_full_speed(run_tiny_request, read_stats, timeout: float = 300.0) -> float:
     """Run tiny requests until a step has run with the weights on huge pages (workers/huge_pages.py)
-    and return the seconds waited. A worker copies its weights there beside its start; on a VM
-    whose memory the host backs lazily that copy takes seconds of a core, and a run timed from the
-    start would time the copy too."""
+    and return the seconds waited. A server's workers copy their weights there beside its start; on
+    a VM whose memory the host backs lazily that copy takes seconds of a core, and a run timed from
+    the start would time the copy too. (An offline `LLM` returns once its copy is done.)"""
     started = time.perf_counter()
     while True:
         run_tiny_request()
@@ -231,8 +230,7 @@ def run_pagedserve(args, requests: list[Request]) -> dict:
               enable_chunked_prefill=True, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    wait_for_full_speed(partial(llm.generate, [{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False),
-                        llm.stats)  # and first-call costs
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)  # first-call costs
     before = llm.stats()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]

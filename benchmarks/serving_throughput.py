@@ -9,8 +9,10 @@ lengths, EOS ignored). In one run:
   one worker actor per tensor-parallel rank), all requests sent at once as concurrent gRPC
   streams from an `AsyncClient`, timed from the first send to the last token received.
 
-Both sides are timed once their worker's weights are on huge pages (`wait_for_full_speed`: a
-copy that runs beside a worker's start, for seconds on a VM whose memory the host backs lazily).
+Both sides are timed once their worker's weights are on huge pages, a copy that runs beside a
+worker's start (for seconds on a VM whose memory the host backs lazily): the offline `LLM` returns
+once it is done, and the served side sends tiny requests until the server's stat
+`weights_moving_to_huge_pages` reads 0 (`wait_for_full_speed`).
 
 It reports both throughputs, their ratio (served / offline), whether the greedy tokens agree,
 and the server's own figure of what the executor adds per engine step beyond rank 0's compute
@@ -33,7 +35,6 @@ import gc
 import os
 import statistics
 import sys
-from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -82,9 +83,8 @@ def run_offline(args, requests, flags: dict | None = None) -> dict:
     """Greedy tokens of every request through `LLM.generate`, timed, with the engine's stats;
     `flags`: the engine's, engine_flags(args) unless given."""
     llm = LLM(**(flags or engine_flags(args)))
-    tiny = SamplingParams(temperature=0.0, max_tokens=2)
-    workload.wait_for_full_speed(partial(llm.generate, [{"prompt_token_ids": [1, 2, 3]}], tiny, use_tqdm=False),
-                                 llm.stats)  # and first-call costs
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)  # first-call costs (the LLM itself waits for its weights' copy)
     before = llm.stats()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]

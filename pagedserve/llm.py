@@ -26,6 +26,9 @@ class LLM:
                              f"settings ({', '.join(sorted(known - {'model'}))})")
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine.from_config(self.config)
+        # Offline work wants every step at full speed: a server's workers copy their weights onto
+        # huge pages beside its start (workers/huge_pages.py), an LLM returns once they are there.
+        self.engine.executor.collective_rpc("wait_for_weights")
         self._request_ids = itertools.count()
         self._shut_down = False
 

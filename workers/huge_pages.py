@@ -72,7 +72,9 @@ class HugePageMove:
     ~0.4 s. Steps meanwhile run on the weights as loaded (nothing writes them, so the copy reads
     them as the steps do). Once copied, the thread takes `step_lock`, which the caller holds
     around every step, re-points the tensors and lets the old storages go: an idle server does
-    not hold the weights twice waiting for a step."""
+    not hold the weights twice waiting for a step. A server serves meanwhile; the offline `LLM`
+    waits for it (`Worker.wait_for_weights`), and each step reports whether it still ran
+    (`StepOutput.weights_moving`)."""
 
     def __init__(self, model: nn.Module, step_lock: threading.Lock | None = None):
         self.bytes = 0

@@ -143,6 +143,11 @@ class Worker:
             self.swap_space.close()
             self.swap_space = None
 
+    def wait_for_weights(self) -> int:
+        """Wait for the weights' copy onto huge pages (workers/huge_pages.py); the bytes moved, 0
+        where nothing moves. Between steps only: the copy ends by taking the step lock."""
+        return self._weights_move.wait() if self._weights_move is not None else 0
+
     def execute(self, plan: StepPlan) -> StepOutput:
         with self._step_lock:  # the weights are not re-pointed during a step
             return self._execute_step(plan)
