@@ -57,8 +57,6 @@ def time_side(args, huge: bool) -> dict[int, float]:
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=1 << 28)
     finally:
         huge_pages.THP_SETTING = saved
-    # The steady state: the move's copy runs beside the start and would share the first decodes' cores.
-    llm.engine.executor.worker._weights_move.wait()
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rates = {}
     for streams in args.streams:

@@ -209,21 +209,6 @@ class KVTrace:
         }
 
 
-def wait_for_full_speed(run_tiny_request, read_stats, timeout: float = 300.0) -> float:
-    """Run tiny requests until a step has run with the weights on huge pages (workers/huge_pages.py)
-    and return the seconds waited. A server's workers copy their weights there beside its start; on
-    a VM whose memory the host backs lazily that copy takes seconds of a core, and a run timed from
-    the start would time the copy too. (An offline `LLM` returns once its copy is done.)"""
-    started = time.perf_counter()
-    while True:
-        run_tiny_request()
-        if not read_stats().get("weights_moving_to_huge_pages", 0):
-            return time.perf_counter() - started
-        if time.perf_counter() - started > timeout:
-            raise TimeoutError(f"the weights were still moving onto huge pages after {timeout:.0f} s")
-        time.sleep(0.25)
-
-
 def run_pagedserve(args, requests: list[Request]) -> dict:
     llm = LLM(model=MODEL, dtype=args.dtype, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True,
