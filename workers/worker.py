@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -13,6 +14,7 @@ from kvstore.swap_space import open_swap_space
 from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.huge_pages import HugePageMove
+from workers.kernel_choice import tune_f32_kernel_rows
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model, resolve_dtype, resolve_kv_cache_dtype
@@ -20,6 +22,7 @@ from workers.parallel import TensorParallel
 from workers.sampler import Sampler, apply_token_bitmask, token_logprobs
 from workers.step_plan import StepOutput, StepPlan
 
+log = logging.getLogger(__name__)
 
 GATHER_BYTES = 8 << 20
 
@@ -56,6 +59,9 @@ class Worker:
         # copy runs beside the rest of the start, and is taken up between two steps (the lock).
         self._step_lock = threading.Lock()
         self._weights_move = HugePageMove(self.model, self._step_lock) if self.device == "cpu" else None
+        # Up to how many rows fp32 layers take the C kernel is measured once the weights are where
+        # they stay (workers/kernel_choice.py): between steps, on the thread that runs them.
+        self._kernels_chosen = self.device != "cpu"
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.kv_dtype)
@@ -146,10 +152,25 @@ class Worker:
     def wait_for_weights(self) -> int:
         """Wait for the weights' copy onto huge pages (workers/huge_pages.py); the bytes moved, 0
         where nothing moves. Between steps only: the copy ends by taking the step lock."""
-        return self._weights_move.wait() if self._weights_move is not None else 0
+        moved = self._weights_move.wait() if self._weights_move is not None else 0
+        with self._step_lock:
+            self._choose_kernels()
+        return moved
+
+    def _choose_kernels(self) -> None:
+        """Once the weights' move is done (and before the step that finds it done): the few-row
+        kernels chosen for this machine, measured or read back (workers/kernel_choice.py)."""
+        if self._kernels_chosen or (self._weights_move is not None and self._weights_move.running()):
+            return
+        self._kernels_chosen = True
+        try:
+            tune_f32_kernel_rows(self.model)
+        except Exception:  # the defaults serve as they did
+            log.exception("measuring the few-row kernels failed; the defaults stay")
 
     def execute(self, plan: StepPlan) -> StepOutput:
         with self._step_lock:  # the weights are not re-pointed during a step
+            self._choose_kernels()
             return self._execute_step(plan)
 
     def _execute_step(self, plan: StepPlan) -> StepOutput:

@@ -57,8 +57,11 @@ def _mkldnn_bf16() -> bool:
 # F.linear and W @ x^T against packed: 8 rows 24.2 / 20.0 ms, 64 rows 112 / 80, 256 rows 443 /
 # 311, 2,048 rows 2,566 / 2,022; its LM head at 64 rows 33 / 18). Up to this many rows the C
 # kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
-# keeps the plain weight beside the packed copy: the linear weights are held twice.
-F32_KERNEL_ROWS = 4
+# keeps the plain weight beside the packed copy: the linear weights are held twice. Where the
+# crossover lies is the CPU's: a worker measures it once its weights are in place and sets
+# F32_KERNEL_ROWS (workers/kernel_choice.py; on a Xeon with AVX-512 the C kernel wins to 12 rows).
+DEFAULT_F32_KERNEL_ROWS = 4
+F32_KERNEL_ROWS = DEFAULT_F32_KERNEL_ROWS
 
 
 def _mkldnn_f32() -> bool:
