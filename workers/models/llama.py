@@ -59,7 +59,7 @@ def _mkldnn_bf16() -> bool:
 # kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
 # keeps the plain weight beside the packed copy: the linear weights are held twice. Where the
 # crossover lies is the CPU's: a worker measures it once its weights are in place and sets
-# F32_KERNEL_ROWS (workers/kernel_choice.py; on a Xeon with AVX-512 the C kernel wins to 12 rows).
+# F32_KERNEL_ROWS (workers/kernel_choice.py; on a Xeon with AVX-512 it measured 8 rows).
 DEFAULT_F32_KERNEL_ROWS = 4
 F32_KERNEL_ROWS = DEFAULT_F32_KERNEL_ROWS
 
