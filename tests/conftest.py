@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # imported, so before any test module imports it. (On a GPU machine they run compiled.)
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# fp32 layers at the default few-row crossover, not one measured under the suite's load and kept
+# for this machine's later servers (workers/kernel_choice.py; its own tests unset this).
+os.environ.setdefault("PAGEDSERVE_F32_KERNEL_ROWS", "4")
 
 TINY_VOCAB = 49152  # the bundled tokenizer's; tiny models reuse it so text prompts work
 

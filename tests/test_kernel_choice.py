@@ -1,7 +1,7 @@
 """The few-row fp32 crossover measured per machine (workers/kernel_choice.py): the rule that reads
 the timings, a real measurement on layers large enough to stream from memory, the answer kept on
-disk and read back, small models left at the default, and an engine whose worker measures once
-its weights are in place, before the offline LLM returns."""
+disk and read back, small models and the override, and an engine: a worker takes a kept answer
+before its first step, and otherwise measures once, when its weights' move is done."""
 
 from __future__ import annotations
 
@@ -16,12 +16,22 @@ from workers import kernel_choice
 from workers.models import llama
 
 pytestmark = pytest.mark.skipif(not llama.PACK_F32, reason="torch has no oneDNN fp32 GEMM here")
+DEFAULT = llama.F32_KERNEL_ROWS
 
 
 @pytest.fixture(autouse=True)
-def _own_cache_and_crossover(tmp_path, monkeypatch):
+def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(llama, "F32_KERNEL_ROWS", llama.DEFAULT_F32_KERNEL_ROWS)
+    monkeypatch.delenv(kernel_choice.OVERRIDE_ENV, raising=False)  # the suite's conftest sets it
+
+
+@pytest.fixture
+def measurements(monkeypatch) -> list[int]:
+    """How many layers each measurement ran over, one entry per measurement."""
+    calls: list[int] = []
+    original = kernel_choice.measure
+    monkeypatch.setattr(kernel_choice, "measure", lambda layers: calls.append(len(layers)) or original(layers))
+    return calls
 
 
 def _packed_layers(count: int, out_features: int, in_features: int) -> nn.Module:
@@ -37,75 +47,135 @@ def _entries(tmp_path) -> dict:
     return json.loads((tmp_path / "kernel_choice.json").read_text())
 
 
+def _rows_of(model: nn.Module) -> set[int]:
+    return {m.f32_kernel_rows for m in model if isinstance(m, nn.Linear)} | {model.f32_kernel_rows}
+
+
 def test_the_rule_takes_the_rows_the_kernel_wins_by_the_margin_up_to_its_first_miss():
-    default = llama.DEFAULT_F32_KERNEL_ROWS
-    assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.0, 1.1), 8: (1.0, 1.02)}, default) == 6
-    assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.3, 1.0), 8: (1.0, 2.0)}, default) == 5  # no gaps
-    assert kernel_choice.choose_rows({5: (1.2, 1.0)}, default) == default
-    assert kernel_choice.choose_rows({}, default) == default
+    assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.0, 1.1), 8: (1.0, 1.02)}, DEFAULT) == 6
+    assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.3, 1.0), 8: (1.0, 2.0)}, DEFAULT) == 5  # no gaps
+    assert kernel_choice.choose_rows({5: (1.2, 1.0)}, DEFAULT) == DEFAULT
+    assert kernel_choice.choose_rows({}, DEFAULT) == DEFAULT
     # Winning by less than the margin is not winning: a tie keeps oneDNN.
-    assert kernel_choice.choose_rows({5: (1.0, 1.0 / (1 - kernel_choice.MARGIN) - 1e-3)}, default) == default
+    assert kernel_choice.choose_rows({5: (1.0, 1.0 / (1 - kernel_choice.MARGIN) - 1e-3)}, DEFAULT) == DEFAULT
 
 
-def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path):
+def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, measurements):
     model = _packed_layers(10, 1024, 1024)  # 40 MiB of fp32 weights: over the floor
+    assert kernel_choice.kept_f32_kernel_rows(model) is None  # nothing kept yet: to be measured
     rows = kernel_choice.tune_f32_kernel_rows(model)
-    assert rows in (llama.DEFAULT_F32_KERNEL_ROWS, *kernel_choice.CANDIDATE_ROWS)
-    assert llama.F32_KERNEL_ROWS == rows
+    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
+    assert measurements == [10]
     (key, kept), = _entries(tmp_path).items()
     assert kept == rows
     # A later start of the same machine and shapes reads it back rather than measuring: an answer
     # the measurement could not give shows it came from the file.
     (tmp_path / "kernel_choice.json").write_text(json.dumps({key: 7}))
-    llama.F32_KERNEL_ROWS = llama.DEFAULT_F32_KERNEL_ROWS
-    assert kernel_choice.tune_f32_kernel_rows(_packed_layers(10, 1024, 1024)) == 7
-    assert llama.F32_KERNEL_ROWS == 7
+    again = _packed_layers(10, 1024, 1024)
+    assert kernel_choice.kept_f32_kernel_rows(again) == 7 and _rows_of(again) == {7}
+    assert kernel_choice.tune_f32_kernel_rows(again) == 7 and measurements == [10]
     # Other shapes are other layers: measured, and kept beside the first entry.
     other = kernel_choice.tune_f32_kernel_rows(_packed_layers(9, 2048, 512))
     entries = _entries(tmp_path)
-    assert len(entries) == 2 and entries[key] == 7 and other in entries.values()
+    assert len(entries) == 2 and entries[key] == 7 and other in entries.values() and len(measurements) == 2
+
+
+@pytest.mark.parametrize("content", ["[8]", "{not json", '{"KEY": 1000}', '{"KEY": true}', '{"KEY": 0}'])
+def test_a_kept_file_it_cannot_use_is_measured_over(tmp_path, measurements, content):
+    model = _packed_layers(10, 1024, 1024)
+    key = kernel_choice._key(kernel_choice._layers(model))
+    (tmp_path / "kernel_choice.json").write_text(content.replace("KEY", key))
+    rows = kernel_choice.tune_f32_kernel_rows(model)
+    assert measurements == [10] and _entries(tmp_path)[key] == rows and rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS)
 
 
 def test_the_measurement_stops_at_the_first_row_count_the_kernel_does_not_win():
     timings = kernel_choice.measure(list(_packed_layers(10, 1024, 1024)))
+    if not timings:
+        pytest.skip("the C weight kernel did not build here")
     rows = sorted(timings)
-    assert rows == list(kernel_choice.CANDIDATE_ROWS[:len(rows)]) and rows
+    assert rows == list(kernel_choice.CANDIDATE_ROWS[:len(rows)])
     assert all(kernel > 0 and onednn > 0 for kernel, onednn in timings.values())
-    default = llama.DEFAULT_F32_KERNEL_ROWS
     # Every row count before the last was a win; the last ended the search, unless it was the last candidate.
-    assert kernel_choice.choose_rows({r: timings[r] for r in rows[:-1]}, default) == (rows[-2] if len(rows) > 1
-                                                                                      else default)
-    if kernel_choice.choose_rows(timings, default) == rows[-1]:
+    assert kernel_choice.choose_rows({r: timings[r] for r in rows[:-1]}, DEFAULT) == (rows[-2] if len(rows) > 1
+                                                                                      else DEFAULT)
+    if kernel_choice.choose_rows(timings, DEFAULT) == rows[-1]:
         assert len(rows) == len(kernel_choice.CANDIDATE_ROWS)
 
 
-def test_small_models_keep_the_default_and_write_nothing(tmp_path):
-    assert kernel_choice.tune_f32_kernel_rows(_packed_layers(2, 256, 256)) == llama.DEFAULT_F32_KERNEL_ROWS
-    assert not (tmp_path / "kernel_choice.json").exists()
+def test_small_models_and_the_override_take_no_measurement(tmp_path, measurements, monkeypatch):
+    small = _packed_layers(2, 256, 256)
+    assert kernel_choice.tune_f32_kernel_rows(small) == DEFAULT and _rows_of(small) == {DEFAULT}
     # Layers without a packed copy (bf16, int8, a GPU's) are not the fp32 layers it chooses for.
     big = _packed_layers(10, 1024, 1024)
     for layer in big:
         del layer.packed_weight
-    assert kernel_choice.tune_f32_kernel_rows(big) == llama.DEFAULT_F32_KERNEL_ROWS
-    assert not (tmp_path / "kernel_choice.json").exists()
+    assert kernel_choice.tune_f32_kernel_rows(big) == DEFAULT
+    monkeypatch.setenv(kernel_choice.OVERRIDE_ENV, "11")
+    forced = _packed_layers(10, 1024, 1024)
+    assert kernel_choice.tune_f32_kernel_rows(forced) == 11 and _rows_of(forced) == {11}
+    assert measurements == [] and not (tmp_path / "kernel_choice.json").exists()
+    monkeypatch.setenv(kernel_choice.OVERRIDE_ENV, "99")
+    with pytest.raises(ValueError, match=f"{kernel_choice.OVERRIDE_ENV}: a row count from 1 to"):
+        kernel_choice.kept_f32_kernel_rows(forced)
 
 
 def test_an_unwritable_cache_still_chooses(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(blocker / "cache"))  # under a file: mkdir fails
-    rows = kernel_choice.tune_f32_kernel_rows(_packed_layers(10, 1024, 1024))
-    assert rows in (llama.DEFAULT_F32_KERNEL_ROWS, *kernel_choice.CANDIDATE_ROWS) and llama.F32_KERNEL_ROWS == rows
+    model = _packed_layers(10, 1024, 1024)
+    rows = kernel_choice.tune_f32_kernel_rows(model)
+    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
 
 
-def test_an_engine_chooses_before_the_offline_llm_returns(tiny_llama, tmp_path, monkeypatch):
+def test_a_layer_takes_the_kernel_up_to_its_own_rows(monkeypatch):
+    calls: list[str] = []
+    original_kernel, original_onednn = llama.f32_linear, llama.onednn_linear
+    monkeypatch.setattr(llama, "f32_linear", lambda x, w: calls.append("c") or original_kernel(x, w))
+    monkeypatch.setattr(llama, "onednn_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
+    layer = _packed_layers(1, 80, 96)[0]
+    x = torch.randn(6, 96)
+    llama.project(x, layer)
+    assert calls == ["onednn"]  # 6 rows > the default
+    layer.f32_kernel_rows = 8
+    calls.clear()
+    torch.testing.assert_close(llama.project(x, layer), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    assert calls == ["c"]
+
+
+def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_path, monkeypatch, measurements):
     monkeypatch.setattr(kernel_choice, "MIN_MODEL_BYTES", 0)  # the tiny model counts as large here
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 400 + 3 for i in range(20)]} for j in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
+        # The offline LLM returns once it has measured.
         (rows,) = _entries(tmp_path).values()
-        assert llama.F32_KERNEL_ROWS == rows
-        prompts = [{"prompt_token_ids": [(5 * i + j) % 400 + 3 for i in range(20)]} for j in range(6)]
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+        model = llm.engine.executor.worker.model
+        assert measurements and model.f32_kernel_rows == rows
+        assert all(len(o.outputs[0].token_ids) == 5 for o in llm.generate(prompts, params, use_tqdm=False))
+        assert len(measurements) == 1  # the steps did not measure again
+        # A server does not wait for its weights' move: while it runs, steps keep the default and
+        # measure nothing; the first step after it measures, before computing.
+        worker = llm.engine.executor.worker
+
+        class Moving:
+            running_now = True
+
+            def running(self):
+                return self.running_now
+
+        move = Moving()
+        monkeypatch.setattr(worker, "_weights_move", move)
+        monkeypatch.setattr(worker, "_kernels_chosen", False)
+        (tmp_path / "kernel_choice.json").unlink()
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        assert len(measurements) == 1 and not (tmp_path / "kernel_choice.json").exists()
+        move.running_now = False
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        assert len(measurements) == 2 and _entries(tmp_path)
         assert llm.stats()["kv_blocks_used"] == 0
-    # Chosen once: the steps did not measure again.
-    assert len(_entries(tmp_path)) == 1
+    # A later start of the machine takes the kept answer before its first step.
+    with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
+        assert llm.engine.executor.worker.model.f32_kernel_rows == _entries(tmp_path).popitem()[1]
+    assert len(measurements) == 2

@@ -63,8 +63,6 @@ def test_the_lm_head_takes_its_packed_copy_above_the_kernels_rows(tokens, monkey
 
 
 def test_an_fp32_engine_packs_every_linear_layer_and_keeps_the_plain_weights(tiny_llama, monkeypatch):
-    # The default crossover, whatever an earlier engine of this process measured (workers/kernel_choice.py).
-    monkeypatch.setattr(llama, "F32_KERNEL_ROWS", llama.DEFAULT_F32_KERNEL_ROWS)
     onednn = _count_calls(monkeypatch, "onednn_linear")
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
         model = llm.engine.executor.worker.model

@@ -1,37 +1,47 @@
-"""Up to how many rows a step's fp32 linear layers run the C weight kernel rather than oneDNN's
-GEMM on the packed weight (`F32_KERNEL_ROWS` in workers/models/llama.py), measured per machine.
+"""Up to how many rows a model's fp32 linear layers run the C weight kernel rather than oneDNN's
+GEMM on the packed weight, measured per machine and set on the model (`f32_kernel_rows` on each
+packed layer and on the model for its LM head, read by `linear` and `lm_head` in
+workers/models/llama.py; F32_KERNEL_ROWS there is the default).
 
 Why measured: the crossover is the CPU's. The C kernel streams each weight once for all of a
-step's rows (kernels/cpu/weight_gemv.c); oneDNN's GEMM wins once there are rows enough to use its
-tiles. SmolLM2's 30 layers, 2 threads: on an AMD EPYC C 15.7 against oneDNN 17.0 ms at 4 rows and
-oneDNN ahead from 8; on a Xeon with AVX-512 the C kernel ahead to 12 rows (5 rows 19.1 against
-21.6 ms, 8 rows 21.3 / 24.3, 12 rows 25.3 / 27.2) and even at 16. A speculative step verifies
-K+1 rows (5 at K=4), a handful of streams decode a few rows: on that Xeon a single stream's 5-row
-verify step took 39.5 ms with oneDNN against 33.8 ms with the C kernel.
+step's rows (kernels/cpu/weight_gemv.c); oneDNN's GEMM wins once there are rows enough to fill its
+tiles. SmolLM2's 30 layers, 2 threads: on an AMD EPYC the C kernel took 15.7 ms at 4 rows against
+oneDNN's 17.0, and oneDNN led from 8; on a Xeon with AVX-512 (random weights on 4 KiB pages) the C
+kernel led to 12 rows (5 rows 19.1 against 21.6 ms, 8 rows 21.3 / 24.3, 12 rows 25.3 / 27.2) and
+was even at 16. A speculative verify step is K+1 rows (5 at K=4), and a handful of streams decode
+a few rows: on that Xeon one stream's 5-row verify step took 39.5 ms with oneDNN against 34.1 ms
+with the C kernel.
 
-How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, so that they
-stream from memory as a step's weights do), the C kernel against oneDNN at each of CANDIDATE_ROWS
-in turn, the best of REPEATS each. A row count is taken only where the C kernel wins by MARGIN,
-and the first it does not win ends the search. The answer is kept on disk, keyed by the CPU, the
-thread count and the layers' shapes: the later starts on the machine skip the measurement, and
-every process of the machine takes the same kernels (a step's rounding depends on the kernel, so
-two servers of one machine give the same tokens). Models whose fp32 linear weights are under
-MIN_MODEL_BYTES (tests' tiny models) keep the default: their weights sit in cache, where the
-comparison says nothing.
+How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, more than most
+CPUs' caches hold, so that they stream from memory as a step's weights do), the C kernel against
+oneDNN at each of CANDIDATE_ROWS in turn, the best of REPEATS each. A row count is taken only
+where the C kernel wins by MARGIN, and the first it does not win ends the search. The LM head
+takes the same count (it is not measured apart). The answer is kept on disk, keyed by the CPU,
+the thread count, the kernel's source and the layers' shapes, under a lock: later starts read it
+before their first step, and every process of the machine runs the same kernels (a step's
+rounding depends on the kernel, so a server and the offline API give the same tokens). Only the
+first start of a machine runs its first steps on the default, until it has measured.
+Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the default:
+their weights sit in cache, where the comparison says nothing. PAGEDSERVE_F32_KERNEL_ROWS=N sets
+the count outright (no measurement, nothing kept): the test suite runs at the default that way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+import kernels.cpu
 from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear
 from pagedserve.config import cache_dir
 from workers.models import llama
@@ -43,6 +53,8 @@ MEASURED_BYTES = 128 << 20
 MIN_MODEL_BYTES = 32 << 20
 REPEATS = 3
 MARGIN = 0.05
+OVERRIDE_ENV = "PAGEDSERVE_F32_KERNEL_ROWS"
+GEMV_SOURCE = Path(kernels.cpu.__file__).with_name("weight_gemv.c")
 
 
 def choose_rows(timings: dict[int, tuple[float, float]], default: int) -> int:
@@ -55,6 +67,10 @@ def choose_rows(timings: dict[int, tuple[float, float]], default: int) -> int:
             break
         chosen = rows
     return chosen
+
+
+def _valid(rows) -> bool:
+    return type(rows) is int and 1 <= rows <= F32_GEMV_MAX_ROWS
 
 
 def _layers(model: nn.Module) -> list[nn.Linear]:
@@ -76,7 +92,8 @@ def _cpu_name() -> str:
 
 def _key(layers: list[nn.Linear]) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in layers})
-    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{shapes}"
+    kernel = hashlib.blake2b(GEMV_SOURCE.read_bytes(), digest_size=8).hexdigest()
+    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{shapes}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -86,15 +103,31 @@ def _cache_path():
 
 def _read_cache() -> dict:
     try:
-        return json.loads(_cache_path().read_text())
+        entries = json.loads(_cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+@contextlib.contextmanager
+def _cache_locked():
+    """The file's lock, held from reading to writing: concurrent first starts (servers, a tensor-
+    parallel group's ranks) measure one at a time, and the later ones read the first's answer.
+    Without a writable cache folder, no lock (and nothing will be kept)."""
+    try:
+        _cache_path().parent.mkdir(parents=True, exist_ok=True)
+        lock = open(_cache_path().with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _write_cache(key: str, rows: int) -> None:
     path = _cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         entries = _read_cache()
         entries[key] = rows
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -116,34 +149,59 @@ def _best_time(run) -> float:
 @torch.inference_mode()
 def measure(layers: list[nn.Linear]) -> dict[int, tuple[float, float]]:
     """rows -> (C kernel, oneDNN) seconds over `layers`, up to the first row count where the C
-    kernel does not win by MARGIN."""
+    kernel does not win by MARGIN; empty where the C kernel did not build."""
     inputs = {m.weight.shape[1] for m in layers}
     timings = {}
     for rows in CANDIDATE_ROWS:
         if rows > F32_GEMV_MAX_ROWS:
             break
-        xs = {n: torch.randn(rows, n) for n in inputs}
+        xs = {n: torch.full((rows, n), 0.5) for n in inputs}  # not randn: the global RNG stays as it was
         if f32_linear(xs[layers[0].weight.shape[1]], layers[0].weight) is None:
-            break  # the kernel did not build: nothing to choose
+            break
         kernel = _best_time(lambda: [f32_linear(xs[m.weight.shape[1]], m.weight) for m in layers])
         onednn = _best_time(lambda: [llama.onednn_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
         timings[rows] = (kernel, onednn)
-        if choose_rows(timings, llama.DEFAULT_F32_KERNEL_ROWS) != rows:
+        if choose_rows(timings, llama.F32_KERNEL_ROWS) != rows:
             break
     return timings
 
 
-def tune_f32_kernel_rows(model: nn.Module) -> int:
-    """Set `llama.F32_KERNEL_ROWS` for `model`'s fp32 layers on this machine (kept on disk, or
-    measured and kept: see the module docstring); returns it. Run between steps, on the thread
-    that runs them (its OpenMP team is the one sized and pinned), once the weights are where they
-    stay (on huge pages, workers/huge_pages.py)."""
+def _apply(model: nn.Module, layers: list[nn.Linear], rows: int) -> int:
+    for m in layers:
+        m.f32_kernel_rows = rows
+    model.f32_kernel_rows = rows  # its LM head's
+    return rows
+
+
+def kept_f32_kernel_rows(model: nn.Module) -> int | None:
+    """Set `model`'s crossover where it needs no measurement (the override, a small model, a kept
+    answer) and return it; None where it is still to be measured (`tune_f32_kernel_rows`)."""
     layers = _layers(model)
+    override = os.environ.get(OVERRIDE_ENV)
+    if override:
+        if not override.isdigit() or not _valid(int(override)):
+            raise ValueError(f"{OVERRIDE_ENV}: a row count from 1 to {F32_GEMV_MAX_ROWS}, got {override!r}")
+        return _apply(model, layers, int(override))
     if sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
-        return llama.F32_KERNEL_ROWS
+        return _apply(model, layers, llama.F32_KERNEL_ROWS)
+    rows = _read_cache().get(_key(layers))
+    return _apply(model, layers, rows) if _valid(rows) else None
+
+
+def tune_f32_kernel_rows(model: nn.Module) -> int:
+    """Set `model`'s crossover on this machine (see the module docstring) and return it: read
+    back, or measured and kept. Run between steps, on the thread that runs them (its OpenMP team
+    is the one sized and pinned), once the weights are where they stay (on huge pages,
+    workers/huge_pages.py)."""
+    rows = kept_f32_kernel_rows(model)
+    if rows is not None:
+        return rows
+    layers = _layers(model)
     key = _key(layers)
-    rows = _read_cache().get(key)
-    if not isinstance(rows, int):
+    with _cache_locked():
+        rows = _read_cache().get(key)  # another process may have measured while this one waited
+        if _valid(rows):
+            return _apply(model, layers, rows)
         measured, total = [], 0
         for m in layers:
             measured.append(m)
@@ -152,10 +210,10 @@ def tune_f32_kernel_rows(model: nn.Module) -> int:
                 break
         start = time.perf_counter()
         timings = measure(measured)
-        rows = choose_rows(timings, llama.DEFAULT_F32_KERNEL_ROWS)
+        rows = choose_rows(timings, llama.F32_KERNEL_ROWS)
         log.info("fp32 linear layers take the C kernel up to %d rows (measured in %.2f s: %s)", rows,
                  time.perf_counter() - start,
                  ", ".join(f"{r} rows {k * 1e3:.2f} / {o * 1e3:.2f} ms" for r, (k, o) in timings.items()))
-        _write_cache(key, rows)
-    llama.F32_KERNEL_ROWS = rows
-    return rows
+        if timings:  # nothing measured (the kernel did not build): nothing to keep
+            _write_cache(key, rows)
+    return _apply(model, layers, rows)

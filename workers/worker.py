@@ -14,7 +14,7 @@ from kvstore.swap_space import open_swap_space
 from pagedserve.config import EngineConfig, ModelSource
 from workers import fault_hook
 from workers.huge_pages import HugePageMove
-from workers.kernel_choice import tune_f32_kernel_rows
+from workers.kernel_choice import kept_f32_kernel_rows, tune_f32_kernel_rows
 from workers.kv_cache import KVCacheSpec, copy_blocks
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model, resolve_dtype, resolve_kv_cache_dtype
@@ -59,9 +59,9 @@ class Worker:
         # copy runs beside the rest of the start, and is taken up between two steps (the lock).
         self._step_lock = threading.Lock()
         self._weights_move = HugePageMove(self.model, self._step_lock) if self.device == "cpu" else None
-        # Up to how many rows fp32 layers take the C kernel is measured once the weights are where
-        # they stay (workers/kernel_choice.py): between steps, on the thread that runs them.
-        self._kernels_chosen = self.device != "cpu"
+        # Up to how many rows fp32 layers take the C kernel (workers/kernel_choice.py): kept from an
+        # earlier start, or measured once the weights are where they stay, between two steps.
+        self._kernels_chosen = self.device != "cpu" or kept_f32_kernel_rows(self.model) is not None
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.kv_dtype)
@@ -158,8 +158,8 @@ class Worker:
         return moved
 
     def _choose_kernels(self) -> None:
-        """Once the weights' move is done (and before the step that finds it done): the few-row
-        kernels chosen for this machine, measured or read back (workers/kernel_choice.py)."""
+        """Where no earlier start kept the few-row crossover: measured once the weights' move is
+        done, before the step that finds it done (workers/kernel_choice.py)."""
         if self._kernels_chosen or (self._weights_move is not None and self._weights_move.running()):
             return
         self._kernels_chosen = True

@@ -58,10 +58,9 @@ def _mkldnn_bf16() -> bool:
 # 311, 2,048 rows 2,566 / 2,022; its LM head at 64 rows 33 / 18). Up to this many rows the C
 # kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
 # keeps the plain weight beside the packed copy: the linear weights are held twice. Where the
-# crossover lies is the CPU's: a worker measures it once its weights are in place and sets
-# F32_KERNEL_ROWS (workers/kernel_choice.py; on a Xeon with AVX-512 it measured 8 rows).
-DEFAULT_F32_KERNEL_ROWS = 4
-F32_KERNEL_ROWS = DEFAULT_F32_KERNEL_ROWS
+# crossover lies is the CPU's: a worker measures it for its model's layers and gives each its own
+# (`f32_kernel_rows`, workers/kernel_choice.py; a Xeon with AVX-512 measured 8). This is the default.
+F32_KERNEL_ROWS = 4
 
 
 def _mkldnn_f32() -> bool:
@@ -110,10 +109,11 @@ def pack_weights(model: LlamaForCausalLM) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+           kernel_rows: int = F32_KERNEL_ROWS) -> torch.Tensor:
     """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, the weight
     in oneDNN's layout (`pack_weights`; a bf16 `weight` is then a meta tensor unless it is kept
-    for another use)."""
+    for another use); `kernel_rows`, up to how many fp32 rows the C kernel beats the packed GEMM."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
             # Native bf16: a few rows on the C kernel's bf16 dot products where the plain weight is
@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if out is None:
             out = linear(x, weight.to(x.dtype)) * scale
         return out if bias is None else out + bias
-    if packed is not None and x.shape[0] > F32_KERNEL_ROWS:
+    if packed is not None and x.shape[0] > kernel_rows:
         return onednn_linear(x, packed, bias)
     if x.shape[0] > SKINNY_TOKENS:
         return F.linear(x, weight, bias)
@@ -158,9 +158,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 LM_HEAD_CHUNK = 2048
 
 
-def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`: as `linear`)."""
-    if packed is not None and x.shape[0] > F32_KERNEL_ROWS and x.dtype == torch.float32:
+def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+            kernel_rows: int = F32_KERNEL_ROWS) -> torch.Tensor:
+    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`, `kernel_rows`:
+    as `linear`)."""
+    if packed is not None and x.shape[0] > kernel_rows and x.dtype == torch.float32:
         return onednn_linear(x, packed)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel (1 row: 4 against 11 ms)
     if out is not None:
@@ -178,7 +180,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None =
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer` applied to x: dense, int8 rows with their scales once quantized, or bf16 packed."""
     return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None),
-                  getattr(layer, "packed_weight", None))
+                  getattr(layer, "packed_weight", None), getattr(layer, "f32_kernel_rows", F32_KERNEL_ROWS))
 
 
 class RMSNorm(nn.Module):
@@ -353,7 +355,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits `[n, vocab]` on rank 0; None on the other ranks."""
-        logits = self.tp.gather_to_first(lm_head(hidden, self.lm_head_weight(), getattr(self, "packed_lm_head", None)))
+        logits = self.tp.gather_to_first(lm_head(hidden, self.lm_head_weight(), getattr(self, "packed_lm_head", None),
+                                                 getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS)))
         if logits is None:
             return None
         return logits[:, :self.config.vocab_size].float().contiguous()
