@@ -154,12 +154,15 @@ INLINE v16f sum16(const v16f *v) {
 
 /* Part `part` of `parts` of block b's K (or V) lines, asked for into L2 while this block computes:
  * a layer's block is a few KB of the cache, the next one a whole block's layers away, and the
- * hardware's prefetcher stops at each page it has not seen. The next block's K goes in a part per
- * query head during this block's scores, its V a part per KV head during this block's values.
- * Asked for all at once and into L1 (the earlier form), the next block's 24 KB (SmolLM2, fp32)
- * evicted the block being read and stalled the loads behind a burst of misses: 30 layers of 64
- * decodes of 300 tokens (Xeon, 2 threads) 64.0 -> 57.4 ms, 16 of 350 17.8 -> 15.5, 4 of 1,200
- * 14.2 -> 12.6; a bf16 cache 40.2 -> 33.3 (64 x 300). */
+ * hardware's prefetcher stops at each page it has not seen. The next block's K and V go a slice
+ * per query head and key during this block's scores, one or two lines at a time between the
+ * loads. Asked for all at once and into L1 (the first form), the next block's 24 KB (SmolLM2,
+ * fp32) evicted the block being read and stalled the loads behind a burst of misses: 30 layers of
+ * 64 decodes of 300 tokens (Xeon, 2 threads) 64.0 -> 57.4 ms, 16 of 350 17.8 -> 15.5, 4 of 1,200
+ * 14.2 -> 12.6; a bf16 cache 40.2 -> 33.3 (64 x 300). Into L2 in bursts of a part per head (the
+ * second form), the kernel still stalled on the prefetches themselves (two thirds of its samples,
+ * perf annotate); sliced per key: 64 x 300 46.0-49.1 -> 44.4-44.9 ms, 16 x 350 13.7 -> 12.5,
+ * 4 x 1,200 11.4 -> 10.3 (4 KiB pages), a bf16 cache even. */
 INLINE void prefetch_part(const void *kv, const int32_t *table, int64_t b, int64_t len, int64_t offset,
                           const Shape *sh, const int bf16, int64_t part, int64_t parts) {
     const int64_t t0 = b * sh->block_size;
@@ -213,10 +216,13 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
                 const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
                 for (int64_t r = 0; r < rep; ++r, ++h) {
-                    if (i0 == 0) prefetch_part(kv, table, b + 1, len, 0, sh, bf16, h, H);
                     v16f qv[MAX_D / 16], part[16];
                     for (int64_t j = 0; j < D / 16; ++j) qv[j] = loadu16(q + h * D + 16 * j);
                     for (int64_t i = 0; i < 16; ++i) {
+                        if (i0 == 0) { /* the next block's K and V, a slice per head and key */
+                            prefetch_part(kv, table, b + 1, len, 0, sh, bf16, h * 16 + i, H * 16);
+                            prefetch_part(kv, table, b + 1, len, sh->s_kv, sh, bf16, h * 16 + i, H * 16);
+                        }
                         v16f p = {0};
                         if (i < m)
                             for (int64_t j = 0; j < D / 16; ++j) p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
@@ -242,7 +248,6 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             sum[h] += add;
         }
         for (int64_t g = 0; g < sh->num_kv_heads; ++g) {
-            prefetch_part(kv, table, b + 1, len, sh->s_kv, sh, bf16, g, sh->num_kv_heads);
             const int64_t v0 = block + sh->s_kv + g * sh->s_head;
             for (int64_t r0 = 0; r0 < rep; r0 += tile) {
                 const int64_t h0 = g * rep + r0;
