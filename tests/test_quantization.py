@@ -38,9 +38,10 @@ def test_the_int8_linear_equals_a_matmul_with_the_dequantized_weight(dtype, toke
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16", "f32"])  # bf16 layers and engine: tests/test_bf16.py
-# Activation rows four at a time, then 3, 2 or 1 (one row alone: its own loop)
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 13, 16, 32])
-@pytest.mark.parametrize("width", [64, 61])  # 61: a row's tail beyond the kernel's 8-wide pieces
+# Activation rows four at a time, then 3, 2 or 1 (one row alone: its own loop); fp32 on AVX-512
+# streams 2-8 rows with two accumulators each, 9-16 with one (8, 9: either side)
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 13, 16, 32])
+@pytest.mark.parametrize("width", [64, 61])  # 61: a row's tail beyond the kernel's 8- and 16-wide pieces
 # 203 outputs: weight rows in tiles of 4 and a last tile of 3
 def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kind, rows, width):
     from kernels import cpu

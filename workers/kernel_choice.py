@@ -10,12 +10,15 @@ oneDNN's 17.0, and oneDNN led from 8; on a Xeon with AVX-512 (random weights on 
 kernel led to 12 rows (5 rows 19.1 against 21.6 ms, 8 rows 21.3 / 24.3, 12 rows 25.3 / 27.2) and
 was even at 16. A speculative verify step is K+1 rows (5 at K=4), and a handful of streams decode
 a few rows: on that Xeon one stream's 5-row verify step took 39.5 ms with oneDNN against 34.1 ms
-with the C kernel.
+with the C kernel. Since fp32's 2-16 rows stream the weight on AVX-512 (STREAM in weight_gemv.c)
+the C kernel leads there at every count it takes (SmolLM2's first 128 MiB: 12 rows 6.38 against
+9.14 ms, 16 rows 7.84 against 9.60).
 
 How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, more than most
 CPUs' caches hold, so that they stream from memory as a step's weights do), the C kernel against
-oneDNN at each of CANDIDATE_ROWS in turn, the best of REPEATS each. A row count is taken only
-where the C kernel wins by MARGIN, and the first it does not win ends the search. The LM head
+oneDNN at each of CANDIDATE_ROWS in turn, the best of REPEATS rounds each (the two alternating).
+A row count is taken only where the C kernel wins by MARGIN, and the first it does not win ends
+the search. The LM head
 takes the same count (it is not measured apart). The answer is kept on disk, keyed by the CPU,
 the thread count, the kernel's source and the layers' shapes, under a lock: later starts read it
 before their first step, and every process of the machine runs the same kernels (a step's
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 CANDIDATE_ROWS = (5, 6, 8, 12, 16)
 MEASURED_BYTES = 128 << 20
 MIN_MODEL_BYTES = 32 << 20
-REPEATS = 3
+REPEATS = 5
 MARGIN = 0.05
 OVERRIDE_ENV = "PAGEDSERVE_F32_KERNEL_ROWS"
 GEMV_SOURCE = Path(kernels.cpu.__file__).with_name("weight_gemv.c")
@@ -137,12 +140,17 @@ def _write_cache(key: str, rows: int) -> None:
         log.warning("could not keep the measured kernel crossover in %s: %s", path, e)
 
 
-def _best_time(run) -> float:
-    best = float("inf")
+def _best_times(*runs) -> list[float]:
+    """Each of `runs`' best time over REPEATS rounds, the runs taken in turn within a round: a
+    burst of other work on the cores then slows both sides, not only the one it fell on (a
+    measurement taken while a process set up beside it once kept a crossover of 8 rows where a
+    quiet one measured 16)."""
+    best = [float("inf")] * len(runs)
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -158,8 +166,9 @@ def measure(layers: list[nn.Linear]) -> dict[int, tuple[float, float]]:
         xs = {n: torch.full((rows, n), 0.5) for n in inputs}  # not randn: the global RNG stays as it was
         if f32_linear(xs[layers[0].weight.shape[1]], layers[0].weight) is None:
             break
-        kernel = _best_time(lambda: [f32_linear(xs[m.weight.shape[1]], m.weight) for m in layers])
-        onednn = _best_time(lambda: [llama.onednn_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
+        kernel, onednn = _best_times(
+            lambda: [f32_linear(xs[m.weight.shape[1]], m.weight) for m in layers],
+            lambda: [llama.onednn_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
         timings[rows] = (kernel, onednn)
         if choose_rows(timings, llama.F32_KERNEL_ROWS) != rows:
             break
