@@ -63,9 +63,38 @@ static inline v8f load8(const float *p) {
 
 static inline v8f widen8_f32(const float *p) { return load8(p); }  /* nothing to widen */
 
-static inline float lanes(v8f v) {
+static inline float lanes8(v8f v) {
     float s = 0.f;
     for (int l = 0; l < 8; ++l) s += v[l];
+    return s;
+}
+
+/* The tiles' and ROW's vector: 16 lanes where the CPU has AVX-512, else 8. int8 and widened bf16
+ * are bound by their arithmetic (widening, then an FMA per lane), which 16 lanes halve in
+ * instructions: SmolLM2's 30 decoder layers, 2 threads, Xeon, weights on huge pages, 8 -> 16
+ * lanes: int8 1 row 4.94 -> 4.25 ms, 4 rows 5.34 -> 4.63, 8 rows 10.34 -> 8.27, 16 rows 20.09 ->
+ * 16.23. */
+#if defined(__AVX512F__)
+#define VW 16
+typedef float vwf __attribute__((vector_size(64), aligned(4)));
+static inline vwf widenw_int8(const int8_t *p) {
+    return (vwf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vwf widenw_bf16(const uint16_t *p) {
+    return (vwf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#else
+#define VW 8
+typedef float vwf __attribute__((vector_size(32), aligned(4)));
+static inline vwf widenw_int8(const int8_t *p) { return (vwf)widen8_int8(p); }
+static inline vwf widenw_bf16(const uint16_t *p) { return (vwf)widen8_bf16(p); }
+#endif
+static inline vwf loadw(const float *p) { return *(const vwf *)p; }
+static inline vwf widenw_f32(const float *p) { return loadw(p); }
+
+static inline float lanesw(vwf v) {
+    float s = 0.f;
+    for (int l = 0; l < VW; ++l) s += v[l];
     return s;
 }
 
@@ -78,24 +107,26 @@ static inline float lanes(v8f v) {
 #define PREFETCH_L2 1
 #define ROW_AHEAD 4096
 
-/* One activation row: one weight row at a time, two 8-wide pieces per step into two accumulators
+/* One activation row: one weight row at a time, two pieces of W lanes per step into two accumulators
  * (consecutive FMAs do not wait on each other). The weight is one sequential stream, which the
  * hardware prefetcher follows better than a tile's interleaved rows: 1 row measured 15 against
  * 17 ms on one core, 10 against 13 on two (30 layers). */
-#define ROW(T)                                                                                   \
+#define ROW(T, W)                                                                                \
     static void row_##T(float *out, const float *x, const T##_w *w, const float *scale,          \
                         int64_t n_out, int64_t k_in, int num_threads) {                          \
+        const int64_t lanes = sizeof(v##W##f) / sizeof(float);                                   \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                    \
         for (int64_t n = 0; n < n_out; ++n) {                                                    \
             const T##_w *wn = w + n * k_in;                                                      \
-            v8f a0 = {0}, a1 = {0};                                                              \
+            v##W##f a0 = {0}, a1 = {0};                                                          \
             int64_t k = 0;                                                                       \
-            for (; k + 16 <= k_in; k += 16) {                                                    \
-                __builtin_prefetch((const char *)(wn + k) + ROW_AHEAD, 0, PREFETCH_L2);          \
-                a0 += widen8_##T(wn + k) * load8(x + k);                                         \
-                a1 += widen8_##T(wn + k + 8) * load8(x + k + 8);                                 \
+            for (; k + 2 * lanes <= k_in; k += 2 * lanes) {                                      \
+                for (int64_t b = 0; b < 2 * lanes * (int64_t)sizeof(T##_w); b += 64)             \
+                    __builtin_prefetch((const char *)(wn + k) + ROW_AHEAD + b, 0, PREFETCH_L2);  \
+                a0 += widen##W##_##T(wn + k) * load##W(x + k);                                   \
+                a1 += widen##W##_##T(wn + k + lanes) * load##W(x + k + lanes);                   \
             }                                                                                    \
-            float s = lanes(a0 + a1);                                                            \
+            float s = lanes##W(a0 + a1);                                                         \
             for (; k < k_in; ++k) s += one_##T(wn[k]) * x[k];                                    \
             out[n] = scale ? s * scale[n] : s;                                                   \
         }                                                                                        \
@@ -113,29 +144,29 @@ static inline float lanes(v8f v) {
                                       int64_t n, int64_t nw, int64_t n_out, int64_t k_in) {      \
         const T##_w *wr[W_TILE];                                                                 \
         for (int j = 0; j < W_TILE; ++j) wr[j] = w + (n + (j < nw ? j : 0)) * k_in;              \
-        v8f acc[W_TILE][M];                                                                      \
+        vwf acc[W_TILE][M];                                                                      \
         for (int j = 0; j < W_TILE; ++j)                                                         \
-            for (int m = 0; m < M; ++m) acc[j][m] = (v8f){0};                                    \
+            for (int m = 0; m < M; ++m) acc[j][m] = (vwf){0};                                    \
         int64_t k = 0;                                                                           \
         const T##_w *next = w + (n + W_TILE) * k_in; /* the next tile's rows, contiguous */      \
         const int64_t ahead = n + 2 * W_TILE <= n_out ? W_TILE * k_in : 0;                       \
-        for (; k + 8 <= k_in; k += 8) {                                                          \
+        for (; k + VW <= k_in; k += VW) {                                                        \
             if (ahead) /* the next tile's rows, a step's share at a time, on every pass over the \
                         * tile's rows: prefetching on the first pass only measured slower (16    \
                         * rows, 2 threads: 39-44 against 36-38 ms for 30 layers). Into L2 only  \
                         * (locality 1): into L1 it evicted the tile being read (see PREFETCH_L2) */ \
-                for (int64_t b = 0; b < W_TILE * 8 * (int64_t)sizeof(T##_w); b += 64)            \
+                for (int64_t b = 0; b < W_TILE * VW * (int64_t)sizeof(T##_w); b += 64)           \
                     __builtin_prefetch((const char *)(next + W_TILE * k) + b, 0, PREFETCH_L2);   \
-            v8f wv[W_TILE];                                                                      \
-            for (int j = 0; j < W_TILE; ++j) wv[j] = widen8_##T(wr[j] + k);                      \
+            vwf wv[W_TILE];                                                                      \
+            for (int j = 0; j < W_TILE; ++j) wv[j] = widenw_##T(wr[j] + k);                      \
             for (int m = 0; m < M; ++m) {                                                        \
-                const v8f xv = load8(x + m * k_in + k);                                          \
+                const vwf xv = loadw(x + m * k_in + k);                                          \
                 for (int j = 0; j < W_TILE; ++j) acc[j][m] += wv[j] * xv;                        \
             }                                                                                    \
         }                                                                                        \
         for (int j = 0; j < nw; ++j)                                                             \
             for (int m = 0; m < M; ++m) {                                                        \
-                float s = lanes(acc[j][m]);                                                      \
+                float s = lanesw(acc[j][m]);                                                     \
                 for (int64_t kk = k; kk < k_in; ++kk) s += one_##T(wr[j][kk]) * x[m * k_in + kk]; \
                 out[m * n_out + n + j] = scale ? s * scale[n + j] : s;                           \
             }                                                                                    \
@@ -144,12 +175,12 @@ static inline float lanes(v8f v) {
 /* Output columns in tiles of W_TILE over OpenMP threads; within a tile, the activation rows four
  * at a time, while the tile's weight rows stay in L1: the weight is read from memory once
  * whatever the row count. */
-#define GEMV(T)                                                                                  \
+#define GEMV(T, RW)                                                                              \
     TILE(T, 1)                                                                                   \
     TILE(T, 2)                                                                                   \
     TILE(T, 3)                                                                                   \
     TILE(T, 4)                                                                                   \
-    ROW(T)                                                                                       \
+    ROW(T, RW)                                                                                   \
     static void gemv_##T(float *out, const float *x, const T##_w *w, const float *scale,         \
                          int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {           \
         if (rows == 1) {                                                                         \
@@ -175,11 +206,11 @@ static inline float lanes(v8f v) {
 typedef float f32_w;
 typedef int8_t int8_w;
 typedef uint16_t bf16_w;
-GEMV(f32)
-GEMV(int8)
-GEMV(bf16)
+GEMV(f32, 8) /* one fp32 row is bound by memory, where 8 lanes measured ~2% faster than 16 */
+GEMV(int8, w)
+GEMV(bf16, w)
 
-/* fp32 on AVX-512: 2 to 16 activation rows against one weight row at a time, 16 lanes a step.
+/* fp32 on AVX-512: 2 to 16 activation rows against one weight row at a time, VW (16) lanes a step.
  * The weight streams once, sequentially, as in ROW, where a tile's four interleaved rows
  * streamed slower, and each 64-byte piece of it meets all M rows (M loads of x, which stays in
  * L1, and M FMAs per weight load). Up to 8 rows each row sums into two accumulators (U = 2),
@@ -188,40 +219,32 @@ GEMV(bf16)
  * 2 threads, weights on huge pages), tiles -> this, ms: 2 rows 14.5 -> 12.2, 5 rows 17.0 -> 14.5,
  * 8 rows 19.1 -> 16.2, 12 rows 23.1 -> 18.4, 16 rows 28.2 -> 23.4 (1 row: ROW, 12.7). */
 #if defined(__AVX512F__)
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-
-static inline float lanes16(v16f v) {
-    float s = 0.f;
-    for (int l = 0; l < 16; ++l) s += v[l];
-    return s;
-}
-
 #define STREAM(M, U)                                                                             \
     static void stream_f32_##M(float *out, const float *x, const float *w,                       \
                                int64_t n_out, int64_t k_in, int num_threads) {                   \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                    \
         for (int64_t n = 0; n < n_out; ++n) {                                                    \
             const float *wn = w + n * k_in;                                                      \
-            v16f acc[U][M];                                                                      \
+            vwf acc[U][M];                                                                       \
             for (int u = 0; u < U; ++u)                                                          \
-                for (int m = 0; m < M; ++m) acc[u][m] = (v16f){0};                               \
+                for (int m = 0; m < M; ++m) acc[u][m] = (vwf){0};                                \
             int64_t k = 0;                                                                       \
-            for (; k + 16 * U <= k_in; k += 16 * U)                                              \
+            for (; k + VW * U <= k_in; k += VW * U)                                              \
                 for (int u = 0; u < U; ++u) {                                                    \
-                    const float *wk = wn + k + 16 * u;                                           \
+                    const float *wk = wn + k + VW * u;                                           \
                     __builtin_prefetch((const char *)wk + ROW_AHEAD, 0, PREFETCH_L2);            \
-                    const v16f wv = *(const v16f *)wk;                                           \
+                    const vwf wv = loadw(wk);                                                    \
                     for (int m = 0; m < M; ++m)                                                  \
-                        acc[u][m] += wv * *(const v16f *)(x + m * k_in + k + 16 * u);            \
+                        acc[u][m] += wv * loadw(x + m * k_in + k + VW * u);                      \
                 }                                                                                \
-            for (; k + 16 <= k_in; k += 16) {                                                    \
-                const v16f wv = *(const v16f *)(wn + k);                                         \
-                for (int m = 0; m < M; ++m) acc[0][m] += wv * *(const v16f *)(x + m * k_in + k); \
+            for (; k + VW <= k_in; k += VW) {                                                    \
+                const vwf wv = loadw(wn + k);                                                    \
+                for (int m = 0; m < M; ++m) acc[0][m] += wv * loadw(x + m * k_in + k);           \
             }                                                                                    \
             for (int m = 0; m < M; ++m) {                                                        \
-                v16f sum = acc[0][m];                                                            \
+                vwf sum = acc[0][m];                                                             \
                 for (int u = 1; u < U; ++u) sum += acc[u][m];                                    \
-                float s = lanes16(sum);                                                          \
+                float s = lanesw(sum);                                                           \
                 for (int64_t kk = k; kk < k_in; ++kk) s += wn[kk] * x[m * k_in + kk];            \
                 out[m * n_out + n] = s;                                                          \
             }                                                                                    \
