@@ -59,7 +59,8 @@ def _mkldnn_bf16() -> bool:
 # kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
 # keeps the plain weight beside the packed copy: the linear weights are held twice. Where the
 # crossover lies is the CPU's: a worker measures it for its model's layers and gives each its own
-# (`f32_kernel_rows`, workers/kernel_choice.py; a Xeon with AVX-512 measured 8). This is the default.
+# (`f32_kernel_rows`, workers/kernel_choice.py; a Xeon with AVX-512 measured 8-12, then 16 once
+# fp32's 2-16 rows streamed the weight there). This is the default.
 F32_KERNEL_ROWS = 4
 
 
