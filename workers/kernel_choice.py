@@ -18,12 +18,12 @@ How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, 
 CPUs' caches hold, so that they stream from memory as a step's weights do), the C kernel against
 oneDNN at each of CANDIDATE_ROWS in turn, the best of REPEATS rounds each (the two alternating).
 A row count is taken only where the C kernel wins by MARGIN, and the first it does not win ends
-the search. The LM head
-takes the same count (it is not measured apart). The answer is kept on disk, keyed by the CPU,
-the thread count, the kernel's source and the layers' shapes, under a lock: later starts read it
-before their first step, and every process of the machine runs the same kernels (a step's
-rounding depends on the kernel, so a server and the offline API give the same tokens). Only the
-first start of a machine runs its first steps on the default, until it has measured.
+the search. The LM head takes the same count (it is not measured apart). The answer is kept on
+disk, keyed by the CPU, the thread count, the kernel's source and the layers' shapes, under a
+lock: later starts read it before their first step, and every process of the machine runs the
+same kernels (a step's rounding depends on the kernel, so a server and the offline API give the
+same tokens). Only the first start of a machine runs its first steps on the default, until it
+has measured.
 Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the default:
 their weights sit in cache, where the comparison says nothing. PAGEDSERVE_F32_KERNEL_ROWS=N sets
 the count outright (no measurement, nothing kept): the test suite runs at the default that way.
@@ -142,9 +142,9 @@ def _write_cache(key: str, rows: int) -> None:
 
 def _best_times(*runs) -> list[float]:
     """Each of `runs`' best time over REPEATS rounds, the runs taken in turn within a round: a
-    burst of other work on the cores then slows both sides, not only the one it fell on (a
-    measurement taken while a process set up beside it once kept a crossover of 8 rows where a
-    quiet one measured 16)."""
+    burst of other work on the cores then slows both sides, not only the one it fell on (one
+    measurement, each side's repeats in a row inside a benchmark's first start, kept a crossover
+    of 8 rows where quiet ones measured 16)."""
     best = [float("inf")] * len(runs)
     for _ in range(REPEATS):
         for i, run in enumerate(runs):
