@@ -103,6 +103,23 @@ def test_the_measurement_stops_at_the_first_row_count_the_kernel_does_not_win():
         assert len(rows) == len(kernel_choice.CANDIDATE_ROWS)
 
 
+def test_the_two_kernels_alternate_within_each_round_of_a_measurement(monkeypatch):
+    # A burst of other work on the cores must slow both sides of a comparison, not only the side
+    # whose repeats it fell on: each round times the C kernel, then oneDNN.
+    calls: list[str] = []
+    original_kernel, original_onednn = kernel_choice.f32_linear, llama.onednn_linear
+    monkeypatch.setattr(kernel_choice, "f32_linear", lambda x, w: calls.append("c") or original_kernel(x, w))
+    monkeypatch.setattr(llama, "onednn_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
+    monkeypatch.setattr(kernel_choice, "CANDIDATE_ROWS", (5,))
+    layers = list(_packed_layers(2, 256, 256))
+    timings = kernel_choice.measure(layers)
+    if not timings:
+        pytest.skip("the C weight kernel did not build here")
+    rounds = calls[1:]  # the first call checks that the kernel applies
+    per_side = len(layers)
+    assert rounds == (["c"] * per_side + ["onednn"] * per_side) * kernel_choice.REPEATS
+
+
 def test_small_models_and_the_override_take_no_measurement(tmp_path, measurements, monkeypatch):
     small = _packed_layers(2, 256, 256)
     assert kernel_choice.tune_f32_kernel_rows(small) == DEFAULT and _rows_of(small) == {DEFAULT}
