@@ -131,14 +131,29 @@ def test_a_step_channel_that_cannot_be_reached_fails_the_start_as_a_worker_death
         raise ConnectionRefusedError("refused")
 
     monkeypatch.setattr(ray_executor, "StepChannel", unreachable)
-    free_cpus = ray.available_resources().get("CPU", 0)
+    free_cpus = _settled_free_cpus()  # an earlier test's groups may still be letting theirs go
     with pytest.raises(WorkerFailedError, match="step channel could not be reached") as info:
         LLM(tiny_llama, distributed_executor_backend="ray", **ENGINE)
     assert info.value.cause == "death"  # as a worker dying while the group starts: a rebuild may retry it
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU", 0) < free_cpus and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ray.available_resources().get("CPU", 0) == free_cpus  # the group's placement let go
+    assert ray.available_resources().get("CPU", 0) >= free_cpus  # the group's placement let go
+
+
+def _settled_free_cpus(quiet_s: float = 1.0, timeout_s: float = 15.0) -> float:
+    """The cluster's free CPUs once the count has held still for `quiet_s`: a group shut down by
+    the test before this one gives its placement back asynchronously."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    free, since = ray.available_resources().get("CPU", 0), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.1)
+        now = ray.available_resources().get("CPU", 0)
+        if now != free:
+            free, since = now, time.monotonic()
+    return free
 
 
 def test_a_crash_loop_ends_in_a_clean_fail_stop(ray_session, tiny_llama):
