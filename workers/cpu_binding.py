@@ -13,7 +13,6 @@ its dead predecessor held. Where too few cores are free the worker is not pinned
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from kernels.cpu import pin_omp_threads
 from pagedserve.config import threads_bind_cores
+from workers.json_file import locked, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +57,14 @@ def claim_cores(count: int, pid: int | None = None) -> list[int] | None:
     pid = os.getpid() if pid is None else pid
     allowed = sorted(os.sched_getaffinity(0))
     path = registry_path()
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(path):
         held = {p: cores for p, cores in live_claims().items() if p != pid}
         taken = {c for cores in held.values() for c in cores}
         free = [c for c in allowed if c not in taken]
         claimed = free[:count] if len(free) >= count else None
         if claimed is not None:
             held[pid] = claimed
-        tmp = path.with_suffix(f".{pid}.tmp")
-        tmp.write_text(json.dumps({str(p): cores for p, cores in held.items()}))
-        os.replace(tmp, path)
+        write_atomically(path, {str(p): cores for p, cores in held.items()})
     return claimed
 
 

@@ -32,7 +32,6 @@ the count outright (no measurement, nothing kept): the test suite runs at the de
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +46,7 @@ from torch import nn
 import kernels.cpu
 from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear
 from pagedserve.config import cache_dir
+from workers.json_file import locked, write_atomically
 from workers.models import llama
 
 log = logging.getLogger(__name__)
@@ -117,14 +117,12 @@ def _cache_locked():
     """The file's lock, held from reading to writing: concurrent first starts (servers, a tensor-
     parallel group's ranks) measure one at a time, and the later ones read the first's answer.
     Without a writable cache folder, no lock (and nothing will be kept)."""
-    try:
-        _cache_path().parent.mkdir(parents=True, exist_ok=True)
-        lock = open(_cache_path().with_suffix(".lock"), "a")
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as stack:
+        try:
+            _cache_path().parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(locked(_cache_path()))
+        except OSError:
+            pass
         yield
 
 
@@ -133,9 +131,7 @@ def _write_cache(key: str, rows: int) -> None:
     try:
         entries = _read_cache()
         entries[key] = rows
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+        write_atomically(path, entries, indent=1)
     except OSError as e:
         log.warning("could not keep the measured kernel crossover in %s: %s", path, e)
 
