@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.async_engine import (AsyncEngine, DeadlineExceededError, EngineDeadError, QueueFullError,
                                      RequestFailedError)
 from coordinator.generation_defaults import GenerationDefaults
-from coordinator.sampling_params import SamplingParams, StructuredOutputsParams
+from coordinator.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from coordinator.server_state import ServerState
 from pagedserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -92,6 +92,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         try:
             prompt, token_ids, messages = _prompt(request)
             params = sampling_from_proto(request.sampling, state.engine.llm_engine.generation_defaults)
+            if request.final_only:
+                params.output_kind = RequestOutputKind.FINAL_ONLY
             # The client's deadline, else the server's default (request_timeout); gRPC also
             # cancels at the client's, which aborts the request the same way.
             timeout = context.time_remaining()

@@ -21,7 +21,7 @@ from coordinator.openai_responses import ChatFormat, CompletionFormat, prompt_lo
 from coordinator.outputs import RequestOutput
 from coordinator.reasoning_parsers import PARSERS as REASONING_PARSERS
 from coordinator.reasoning_parsers import ThinkParser, reply_starts_inside
-from coordinator.sampling_params import SamplingParams
+from coordinator.sampling_params import RequestOutputKind, SamplingParams
 from coordinator.token_bytes import token_bytes_of
 
 
@@ -154,7 +154,7 @@ class OpenAIServing:
                 "model": self.model_name, "system_fingerprint": self.fingerprint}
 
     async def completions(self, engine: AsyncEngine, req: CompletionRequest) -> dict | ChunkStream:
-        params = req.sampling_params(engine.llm_engine.generation_defaults)
+        params = final_only_unless(req.stream, req.sampling_params(engine.llm_engine.generation_defaults))
         prompts = [(text, ids, None) for text, ids in req.prompts()]
         head = self._head("cmpl", "text_completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0, self.request_timeout,
@@ -176,7 +176,8 @@ class OpenAIServing:
     async def chat(self, engine: AsyncEngine, req: ChatCompletionRequest) -> dict | ChunkStream:
         tools = req.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
-        params = reasoning.constrain_after(req.sampling_params(tools, engine.llm_engine.generation_defaults))
+        params = final_only_unless(req.stream, reasoning.constrain_after(
+            req.sampling_params(tools, engine.llm_engine.generation_defaults)))
         prompts = [(None, None, req.conversation())]
         head = self._head("chatcmpl", "chat.completion")
         group = await RequestGroup.admit(engine, prompts, params, head["id"], req.priority or 0,
@@ -200,6 +201,11 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final)
         return response
+
+
+def final_only_unless(stream: bool, params: SamplingParams) -> SamplingParams:
+    """A response sent whole needs the engine's final outputs only: none is built per token."""
+    return params if stream else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class ReasoningTags:

@@ -17,6 +17,7 @@ from collections import Counter
 
 from coordinator.outputs import RequestOutput
 from coordinator.request_state import RequestState
+from coordinator.sampling_params import RequestOutputKind
 from coordinator.sequence import GroupUpdate, Sequence, SequenceGroup, SequenceStatus
 from coordinator.stats import IterationStats
 
@@ -69,14 +70,17 @@ class OutputProcessor:
         return stopped
 
     def make_outputs(self, updates: list[GroupUpdate], stats: IterationStats) -> list[RequestOutput]:
-        """One RequestOutput per request that sampled this step (None-free: with best_of > n or
-        beams, only once it is done). Finished requests leave, their metrics in `stats`."""
+        """One RequestOutput per request that sampled this step (None-free: with best_of > n,
+        beams or output_kind FINAL_ONLY, only once it is done). Finished requests leave, their
+        metrics in `stats`."""
         now = time.monotonic()
         outputs = []
         for update in updates:
             req = self.requests.get(update.group.request_id)
             if req is None or not update.sampled:
                 continue
+            if req.params.output_kind is RequestOutputKind.FINAL_ONLY and not req.finished:
+                continue  # its deltas add up: the final output then carries every token
             out = req.output()
             if req.finished:
                 reason = out.outputs[0].finish_reason if out is not None and out.outputs else None

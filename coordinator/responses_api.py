@@ -36,7 +36,7 @@ from coordinator.conversations import Conversation, ConversationStore
 from coordinator.input_processor import PromptError
 from coordinator.openai_protocol import ChatCompletionRequest, _Body
 from coordinator.openai_responses import ChatFormat, usage
-from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup
+from coordinator.openai_serving import ChunkStream, ReasoningTags, RequestGroup, final_only_unless
 from coordinator.outputs import RequestOutput
 from coordinator.response_items import copy_item, input_messages, stored_items
 from coordinator.responses_background import BackgroundResponses, EventLog, Replay
@@ -417,7 +417,8 @@ class ResponsesServing:
         chat = req.chat_request(history)
         tools = chat.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
-        params = reasoning.constrain_after(chat.sampling_params(tools, engine.llm_engine.generation_defaults))
+        params = final_only_unless(req.stream, reasoning.constrain_after(
+            chat.sampling_params(tools, engine.llm_engine.generation_defaults)))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo(), "temperature": params.temperature, "top_p": params.top_p}
         messages, rendered = chat.conversation(), None

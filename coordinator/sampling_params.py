@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -95,6 +96,18 @@ class StructuredOutputsParams:
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """When a request's outputs are made (vLLM's names and values). A RequestOutput here holds
+    both the whole text so far and what the step added, so CUMULATIVE and DELTA alike make one
+    at every step that samples. FINAL_ONLY makes one, once the request has finished: for a caller
+    that waits for the whole result (LLM.generate, a non-streaming HTTP or gRPC request), no output
+    is built, queued and sent per token."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """vLLM-compatible sampling parameters. Invalid values raise ValueError naming the field.
@@ -138,6 +151,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: only the prompt's last k tokens are used (left truncation); -1: as many as fit
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -220,6 +234,8 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (leave it unset to allow every token)")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = _output_kind(self.output_kind)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields); "
                              f"got {type(self.structured_outputs).__name__}")
@@ -269,6 +285,17 @@ def _as_list(name: str, value, what: str) -> list:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be {what}; got {type(value).__name__} {value!r}")
     return list(value)
+
+
+def _output_kind(value) -> RequestOutputKind:
+    """A RequestOutputKind from one of its values (0, 1, 2), else ValueError naming the field."""
+    if not isinstance(value, bool):
+        try:
+            return RequestOutputKind(value)
+        except (ValueError, TypeError):
+            pass
+    kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+    raise ValueError(f"output_kind must be a RequestOutputKind: {kinds}; got {value!r}")
 
 
 def _check_int(name: str, value, low: int) -> None:

@@ -13,6 +13,7 @@ _EXPORTS = {
     "SamplingParams": "coordinator.sampling_params",
     "StructuredOutputsParams": "coordinator.sampling_params",
     "BeamSearchParams": "coordinator.sampling_params",
+    "RequestOutputKind": "coordinator.sampling_params",
     "EngineConfig": "pagedserve.config",
     "RequestOutput": "coordinator.outputs",
     "CompletionOutput": "coordinator.outputs",

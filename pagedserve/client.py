@@ -58,7 +58,7 @@ class Completion:
 
 
 # Keyword arguments that belong to the request rather than to its SamplingParams.
-_REQUEST_FIELDS = ("priority",)
+_REQUEST_FIELDS = ("priority", "final_only")
 # Keyword arguments of a chat prompt's template (ChatMessages' fields).
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 # The members of SamplingParams' structured_output oneof.
@@ -164,6 +164,7 @@ class Client:
     def generate_all(self, prompt, request_id: str = "", **sampling) -> list[Completion]:
         """Every sample of the request (n of them), by index."""
         completions: dict[int, Completion] = {}
+        sampling.setdefault("final_only", True)  # nothing sent per token
         try:
             for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
                                             timeout=self.timeout, metadata=self._metadata):
@@ -235,6 +236,7 @@ class AsyncClient:
 
     async def generate_all(self, prompt, request_id: str = "", **sampling) -> list[Completion]:
         completions: dict[int, Completion] = {}
+        sampling.setdefault("final_only", True)  # nothing sent per token
         try:
             async for resp in self._stub.Generate(build_request(prompt, request_id, **sampling),
                                                   timeout=self.timeout, metadata=self._metadata):

@@ -9,7 +9,7 @@ from collections.abc import Sequence as SequenceABC
 
 from coordinator.engine import LLMEngine
 from coordinator.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from coordinator.sampling_params import BeamSearchParams, SamplingParams
+from coordinator.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
 PromptType = str | dict
@@ -72,10 +72,14 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"priority must have one integer per prompt ({len(prompts)}); got {len(priority)}")
         ids = []
+        final_only = {}  # id(params) -> its copy with output_kind FINAL_ONLY: results come once done
         try:
             for prompt, params, prio in zip(prompts, sampling_params, priority):
                 text, token_ids = _split_prompt(prompt)
                 request_id = str(next(self._request_ids))
+                if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    params = final_only.setdefault(id(params), dataclasses.replace(
+                        params, output_kind=RequestOutputKind.FINAL_ONLY))
                 self.engine.add_request(request_id, text, token_ids, params, prio)
                 ids.append(request_id)
         except Exception:

@@ -95,6 +95,20 @@ def test_concurrent_streams_equal_the_offline_api(llm, stub):
     assert _wait_for_no_used_blocks(stub) == 0
 
 
+def test_final_only_sends_each_sample_once_with_all_of_it_and_the_stream_adds_up_to_the_same(stub):
+    sampling = pb.SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=9, ignore_eos=True, logprobs=1)
+    streamed, final = ([list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[4, 5, 6, 7]),
+                                                              sampling=sampling, final_only=final_only),
+                                           timeout=60)) for final_only in (False, True)])
+    assert len(streamed) > 2 and [r.index for r in final] == [0, 1]
+    for resp in final:
+        same = [r for r in streamed if r.index == resp.index]
+        assert list(resp.token_ids) == [t for r in same for t in r.token_ids] and len(resp.token_ids) == 9
+        assert resp.text == "".join(r.text for r in same)
+        assert len(resp.logprobs) == 9 and resp.finish_reason == "length"
+    assert final[-1].usage.completion_tokens == 18 and final[-1].timing.total_s > 0
+
+
 def test_text_and_chat_prompts_stream_text(llm, stub):
     tokens, text, last = _collect(stub, pb.GenerateRequest(
         text="Hello there", sampling=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))

@@ -118,6 +118,8 @@ def test_seeded_draws_are_a_function_of_seed_and_position_only():
     ("stop_token_ids", "12", "stop_token_ids must be a list of token ids; got str"),
     ("logit_bias", [1], "logit_bias must be a map of token id to bias; got list"),
     ("allowed_token_ids", 3, "allowed_token_ids must be a list of token ids; got int"),
+    ("output_kind", 3, "output_kind must be a RequestOutputKind: CUMULATIVE (0), DELTA (1), FINAL_ONLY (2); got 3"),
+    ("output_kind", "final", "output_kind must be a RequestOutputKind"),
 ])
 def test_invalid_sampling_params_name_the_field_and_range(field, value, words):
     with pytest.raises(ValueError) as err:

@@ -50,8 +50,9 @@ class ServingServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate tokens for one prompt; the server streams them as they are produced. The last
-        response carries the finish reason, token counts and timings.
+        """Generate tokens for one prompt; the server streams them as they are produced (unless the
+        request asks for final_only). The last response carries the finish reason, token counts and
+        timings.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

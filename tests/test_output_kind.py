@@ -1,0 +1,147 @@
+"""output_kind FINAL_ONLY: a request that waits for its whole result gets one output, once it has
+finished, holding every token, the same as a streamed request's last; and the callers that wait
+(LLM.generate, non-streaming HTTP) ask for it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from coordinator.async_engine import AsyncEngine
+from coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
+from coordinator.openai_serving import OpenAIServing
+from pagedserve import LLM, RequestOutputKind, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, kv_cache_memory=1 << 24)
+
+
+def _run_side_by_side(llm, params: SamplingParams) -> tuple[list, list]:
+    """The same request twice in one batch, streamed and final-only: each one's outputs."""
+    engine = llm.engine
+    kinds = {"streamed": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
+    seen = {rid: [] for rid in kinds}
+    for rid, kind in kinds.items():
+        engine.add_request(rid, None, PROMPT, dataclasses.replace(params, output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    return seen["streamed"], seen["final"]
+
+
+def _stop_string(llm) -> str:
+    """Three characters from the middle of this model's greedy text, which then end it there."""
+    text = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=24, **GREEDY),
+                        use_tqdm=False)[0].outputs[0].text
+    return text[len(text) // 2:len(text) // 2 + 3]
+
+
+@pytest.mark.parametrize("case", ["greedy_stop_string", "parallel_samples"])
+def test_a_final_only_request_gets_one_output_equal_to_the_streamed_ones_last(llm, case):
+    if case == "greedy_stop_string":
+        params = SamplingParams(max_tokens=24, logprobs=1, stop=[_stop_string(llm)], **GREEDY)
+    else:
+        params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=10, ignore_eos=True, logprobs=2)
+    streamed, final = _run_side_by_side(llm, params)
+    assert len(final) == 1 and final[0].finished
+    assert len(streamed) > 1 and not streamed[0].finished
+    last = streamed[-1]
+    if case == "greedy_stop_string":
+        assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == params.stop[0]
+    assert len(final[0].outputs) == len(last.outputs) == params.n
+    for got, want in zip(final[0].outputs, last.outputs):
+        # Nothing was sent before, so the one output's delta is the whole completion.
+        assert got.delta_token_ids == got.token_ids == want.token_ids
+        assert got.delta_text == got.text == want.text
+        assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+        assert len(got.logprobs) == len(got.token_ids)
+        assert [max(step, key=lambda t: step[t].logprob) for step in got.logprobs] == \
+               [max(step, key=lambda t: step[t].logprob) for step in want.logprobs]
+    # The streamed deltas add up to the same completion.
+    for index, want in enumerate(last.outputs):
+        assert [t for out in streamed for t in out.outputs[index].delta_token_ids] == want.token_ids
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_generate_makes_final_outputs_only_and_leaves_the_callers_params_as_they_were(llm):
+    made = []
+    step = llm.engine.step
+
+    def counting_step():
+        outs = step()
+        made.extend(outs)
+        return outs
+
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    llm.engine.step = counting_step
+    try:
+        outs = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:3]}], params, use_tqdm=False)
+    finally:
+        del llm.engine.step
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert len(made) == 2 and all(out.finished for out in made)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_non_streaming_http_requests_make_final_outputs_only(llm):
+    """OpenAIServing over the engine in this process, each make_outputs call's outputs recorded:
+    a response sent whole takes the request's last output only, a streamed one every step's."""
+    processor = llm.engine.output_processor
+    make_outputs = processor.make_outputs
+    made = []
+
+    def recording(updates, stats):
+        outs = make_outputs(updates, stats)
+        made.extend((out.request_id, out.finished) for out in outs)
+        return outs
+
+    async def serve() -> dict:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        serving = OpenAIServing("tiny", None, "fp")
+        texts = {}
+        try:
+            for stream in (False, True):
+                common = dict(max_tokens=8, n=2, temperature=0.8, seed=3, ignore_eos=True, stream=stream)
+                completion = await serving.completions(engine, CompletionRequest(prompt=PROMPT, **common))
+                chat = await serving.chat(engine, ChatCompletionRequest(
+                    messages=[{"role": "user", "content": "hi"}], **common))
+                texts[stream] = (await _texts(completion, "text"), await _texts(chat, "content"))
+        finally:
+            await engine.stop()
+        return texts
+
+    processor.make_outputs = recording
+    try:
+        texts = asyncio.run(serve())
+    finally:
+        del processor.make_outputs
+    assert texts[False] == texts[True]  # the same seeded samples, whole or streamed
+    by_request: dict[str, list[bool]] = {}
+    for request_id, finished in made:
+        by_request.setdefault(request_id, []).append(finished)
+    whole, streamed = list(by_request.values())[:2], list(by_request.values())[2:]
+    assert len(by_request) == 4
+    assert all(flags == [True] for flags in whole)
+    assert all(len(flags) > 1 and flags[-1] and not any(flags[:-1]) for flags in streamed)
+
+
+async def _texts(response, field: str) -> list[str]:
+    """Each choice's text (or message content) by index, from a whole response or its chunks."""
+    if isinstance(response, dict):
+        return [c.get("text", c.get("message", {}).get(field)) for c in sorted(response["choices"],
+                                                                              key=lambda c: c["index"])]
+    texts: dict[int, str] = {}
+    async for chunk in response:
+        for choice in chunk.get("choices", []):
+            piece = choice.get("text") if field == "text" else (choice.get("delta") or {}).get("content")
+            texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    await response.aclose()
+    return [texts[i] for i in sorted(texts)]
