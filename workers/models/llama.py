@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear, int8_linear, rope, silu_mul
+from kernels.cpu import (F32_GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear, int8_linear,
+                         rope, silu_mul)
+from kernels.cpu.decoder_layer import FusedLayers
 from workers.parallel import TensorParallel
 
 
@@ -314,6 +316,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+_UNSET = object()
+# Backends whose write_kv stores each token's K/V at its slot as it is (reference.write_kv): the
+# fused layers write them the same way.
+_SLOT_WRITING_BACKENDS = ("CpuBackend", "TorchBackend")
+
+
 class LlamaForCausalLM(nn.Module):
     """One rank's shard of the model (the whole model when `tp.size == 1`)."""
 
@@ -332,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = (t.to(self.embed_tokens.weight.device) for t in rope_tables(config, max_positions))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._fused_layers = _UNSET  # FusedLayers, or None where the layers do not qualify: set on first use
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache). `meta`:
@@ -340,10 +349,36 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # shared by every layer
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        if self._fusable(x, kv_cache, meta):
+            return self._fused_forward(x, cos, sin, kv_cache, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.norm.add_forward(x, residual)[0]
+
+    def _fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
+        """Whether this step's layers may run as two C calls each (kernels/cpu/decoder_layer.py):
+        fp32 rows few enough for the C projection kernel (which the Python path would take too), an
+        fp32 cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or kv_cache.dtype != torch.float32:
+            return False
+        if x.shape[0] > min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS), F32_GEMV_MAX_ROWS):
+            return False
+        if self._fused_layers is _UNSET:
+            self._fused_layers = FusedLayers.of(list(self.layers))
+        return (self._fused_layers is not None and kv_cache.is_contiguous()
+                and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
+
+    def _fused_forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        """`forward`'s layers, each as C before and after the backend's attention: the same kernels
+        on the same inputs as the Python path, so the same results bit for bit."""
+        slots = getattr(meta, "prefills", meta)  # the CPU backend's per-token slots, or the torch one's own
+        step = self._fused_layers.step(x, cos, sin, kv_cache, slots.slot_blocks, slots.slot_offsets)
+        attention = meta.backend.paged_attention
+        for i, layer in enumerate(self.layers):
+            q, k, v = step.before_attention(i)
+            step.after_attention(i, attention(q, k, v, kv_cache[:, i], meta, layer.self_attn.scale))
+        return self.norm.add_forward(step.mlp_out, x)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -1,0 +1,165 @@
+"""The decoder layers of a step of a few fp32 rows in two C calls each (kernels/cpu/decoder_layer.c):
+one before the attention (residual add, norm, QKV, rotary, cache writes), one after it (output
+projection, residual add, norm, MLP). The attention itself stays the backend's, so a step of any
+kind (decodes, a speculative step's drafts, small prompt chunks) can take this path.
+
+    layers = FusedLayers.of(model)           # None where the model's layers do not qualify
+    step = layers.step(residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
+    for i in range(n):
+        q, k, v = step.before_attention(i)  # views of the step's buffers
+        step.after_attention(i, attention(q, k, v))
+    delta = step.mlp_out                     # the last layer's output, for the final norm
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import cpu
+
+_SOURCE = Path(__file__).with_name("decoder_layer.c")
+_P = ctypes.c_void_p
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("gemv", _P), ("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
+                                        "cache")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [("eps", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                + [(name, _P) for name in ("residual", "normed", "qkv", "q", "k", "o", "gate_up", "act", "mlp_out",
+                                           "cos_t", "sin_t", "slot_blocks", "slot_offsets")]
+                + [(name, ctypes.c_int64) for name in ("s_block", "s_kv", "s_tok")])
+
+
+def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
+    """The fused library and the table of the kernels it calls; None where any did not build."""
+    lib = cpu._library(_SOURCE, "decoder_pre_attention_f32", (_P,) * 4)
+    gemv = cpu._load_gemv("f32_gemv_f32")
+    elementwise = [cpu._elementwise(name, argtypes, torch.empty(1)) for name, argtypes in _ELEMENTWISE]
+    if lib is None or gemv is None or None in elementwise:
+        return None
+    lib.decoder_post_attention_f32.restype = None
+    lib.decoder_post_attention_f32.argtypes = [_P] * 4
+    table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise))
+    return lib, table
+
+
+# The element-wise kernels in _Kernels' order, with the argtypes their Python wrappers give them.
+_I64 = ctypes.c_int64
+_ELEMENTWISE = (
+    ("add_rms_norm", (_P, _P, _I64, _I64, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int)),
+    ("rope", (_P, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int)),
+    ("silu_mul", (_P, _P, _I64, _I64, _I64, _I64, ctypes.c_int)),
+)
+
+
+class FusedLayers:
+    """The C path over a model's decoder layers (LlamaDecoderLayer's modules, fp32, one rank)."""
+
+    def __init__(self, layers, lib: ctypes.CDLL, table: _Kernels):
+        self.layers = layers
+        self._lib = lib
+        self._table = table
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
+        self.eps = layers[0].input_layernorm.eps
+
+    @classmethod
+    def of(cls, layers) -> FusedLayers | None:
+        """The fused path for these layers, or None where one of them does not qualify: weights
+        that are not plain fp32 on the CPU (int8, bf16, packed-only), tensor parallelism, a bias
+        other than QKV's. Judged once: a model's weights keep their kind once loaded."""
+        if not layers or layers[0].self_attn.tp.size != 1:
+            return None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            tensors = [m.weight for m in linears] + list(norms)
+            if attn.qkv_proj.bias is not None:
+                tensors.append(attn.qkv_proj.bias)
+            if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.is_meta or not t.is_contiguous()
+                   for t in tensors):
+                return None
+            if any(getattr(m, "weight_scale", None) is not None for m in linears):
+                return None
+            if any(m.bias is not None for m in linears[1:]):
+                return None
+        functions = _functions()
+        return None if functions is None else cls(layers, *functions)
+
+    def _layer_structs(self, kv_cache: torch.Tensor) -> list[_Layer]:
+        """Each layer's pointers, read at every step: a weight's storage may have moved since
+        (workers/huge_pages.py re-points them between steps)."""
+        base, layer_bytes = kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size()
+        structs = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), attn.o_proj.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(),
+                                  mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
+                                  base + i * layer_bytes))
+        return structs
+
+    def step(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> FusedStep:
+        return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
+
+
+class FusedStep:
+    """One step's buffers and the calls of its layers. `residual`: the embeddings [rows, hidden],
+    contiguous, which become the residual stream in place; `cos`/`sin`: [rows, 1, head_dim]
+    contiguous; `kv_cache`: [blocks, layers, 2, block_size, kv_heads, head_dim] contiguous fp32;
+    `slot_blocks`/`slot_offsets`: int64 [rows], each row's cache slot."""
+
+    def __init__(self, fused: FusedLayers, residual, cos, sin, kv_cache, slot_blocks, slot_offsets):
+        rows, f = residual.shape[0], fused
+        q_size, kv_size = f.heads * f.head_dim, f.kv_heads * f.head_dim
+        widths = dict(normed=f.hidden, qkv=q_size + 2 * kv_size, q=q_size, k=kv_size, o=f.hidden,
+                      gate_up=2 * f.inter, act=f.inter, mlp_out=f.hidden)
+        space = torch.empty(rows * sum(widths.values()), dtype=torch.float32)
+        views, start = {}, 0
+        for name, width in widths.items():
+            views[name] = space[start:start + rows * width].view(rows, width)
+            start += rows * width
+        self._keep = (residual, cos, sin, slot_blocks, slot_offsets, space)  # alive while C reads them
+        qkv = views["qkv"]
+        self.q = views["q"].view(rows, f.heads, f.head_dim)
+        self.k = views["k"].view(rows, f.kv_heads, f.head_dim)
+        self.v = qkv[:, q_size + kv_size:].view(rows, f.kv_heads, f.head_dim)
+        self.mlp_out = views["mlp_out"]
+        _, _, s_kv, s_tok, _, _ = kv_cache.stride()
+        self._step = _Step(rows, f.hidden, f.heads, f.kv_heads, f.head_dim, f.inter, f.eps, torch.get_num_threads(),
+                           residual.data_ptr(), *(views[n].data_ptr() for n in ("normed", "qkv", "q", "k", "o",
+                                                                               "gate_up", "act", "mlp_out")),
+                           cos.data_ptr(), sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+                           kv_cache.stride(0), s_kv, s_tok)
+        self._layers = fused._layer_structs(kv_cache)
+        self._pre = fused._lib.decoder_pre_attention_f32
+        self._post = fused._lib.decoder_post_attention_f32
+        self._table = ctypes.byref(fused._table)
+        self._step_ref = ctypes.byref(self._step)
+        self._mlp_out_ptr = self.mlp_out.data_ptr()
+
+    def before_attention(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i up to its attention: (q, k, v) for the backend, k and v already in the cache."""
+        self._pre(self._table, ctypes.byref(self._layers[i]), self._step_ref, self._mlp_out_ptr if i else None)
+        return self.q, self.k, self.v
+
+    def after_attention(self, i: int, attention: torch.Tensor) -> None:
+        """Layer i from its attention's result ([rows, heads, head_dim]) on: its output is `mlp_out`."""
+        attention = attention.contiguous()
+        self._post(self._table, ctypes.byref(self._layers[i]), self._step_ref, attention.data_ptr())

@@ -1,0 +1,101 @@
+"""The decoder layers as two C calls each for few-row fp32 steps (kernels/cpu/decoder_layer.c):
+taken where they apply, bit for bit the Python path's results, and left alone where they do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu.decoder_layer import FusedLayers, FusedStep
+from pagedserve import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
+
+
+def _model(llm):
+    return llm.engine.executor.worker.model
+
+
+def _runs(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, int]:
+    """Each prompt's tokens and logprobs, and how many layer calls took the fused path."""
+    calls = []
+    before = FusedStep.before_attention
+
+    def counting(self, i):
+        calls.append(i)
+        return before(self, i)
+
+    FusedStep.before_attention = counting
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        FusedStep.before_attention = before
+    return [[(c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs or []])
+             for c in o.outputs] for o in outs], len(calls)
+
+
+def _both_paths(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, list, int]:
+    """The fused path's results, the Python path's (fused layers switched off), and the fused calls."""
+    model = _model(llm)
+    fused, fused_calls = _runs(llm, params, prompts)
+    kept, model._fused_layers = model._fused_layers, None
+    try:
+        python, python_calls = _runs(llm, params, prompts)
+    finally:
+        model._fused_layers = kept
+    assert python_calls == 0
+    return fused, python, fused_calls
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: a QKV bias
+def test_few_row_steps_take_the_fused_path_and_match_the_python_path_bit_for_bit(request, fixture):
+    llm = LLM(request.getfixturevalue(fixture), kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    with torch.no_grad():  # a random model's biases start at zero: a bias the fused path dropped would not show
+        for layer in _model(llm).layers:
+            if layer.self_attn.qkv_proj.bias is not None:
+                layer.self_attn.qkv_proj.bias.normal_(0.0, 0.5)
+    params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
+    fused, python, calls = _both_paths(llm, params, PROMPTS[:2])  # 4 decode rows a step
+    assert fused == python
+    num_layers = len(_model(llm).layers)
+    assert calls >= 10 * num_layers  # the decode steps; the 6-token prompts run as before
+
+
+def test_a_speculative_step_with_drafts_runs_fused_and_stays_exact(tiny_llama):
+    """Verification steps (a sequence's token plus its drafts: several query rows of one sequence,
+    attention through the prefill kernel) take the fused layers too."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    repeating = [{"prompt_token_ids": [7, 8, 9, 10] * 6}]
+    fused, python, calls = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                           logprobs=1), repeating)
+    assert fused == python and calls > 0
+    assert llm.stats().get("spec_draft_tokens_total", 0) > 0
+
+
+def test_steps_above_the_kernels_row_limit_keep_the_python_path(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    limit = _model(llm).f32_kernel_rows
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(limit + 1)]  # limit + 1 decode rows
+    _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
+    assert calls == 0
+
+
+def test_quantized_and_bf16_models_do_not_qualify(tiny_llama):
+    for kwargs in (dict(quantization="int8"), dict(dtype="bfloat16")):
+        llm = LLM(tiny_llama, kv_cache_memory=1 << 24, **kwargs)
+        _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert calls == 0
+        assert FusedLayers.of(list(_model(llm).layers)) is None
+        llm.shutdown()
+
+
+def test_an_fp32_layer_stack_qualifies_and_one_quantized_layer_spoils_it(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24)
+    layers = list(_model(llm).layers)
+    assert FusedLayers.of(layers) is not None
+    layers[-1].mlp.down_proj.weight_scale = torch.ones(layers[-1].mlp.down_proj.weight.shape[0])
+    try:
+        assert FusedLayers.of(layers) is None
+    finally:
+        del layers[-1].mlp.down_proj.weight_scale
