@@ -99,3 +99,20 @@ def test_an_fp32_layer_stack_qualifies_and_one_quantized_layer_spoils_it(tiny_ll
         assert FusedLayers.of(layers) is None
     finally:
         del layers[-1].mlp.down_proj.weight_scale
+
+
+def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama):
+    """workers/huge_pages.py re-points the weights (`param.data = copy`) between steps: the fused
+    path must follow. The old storage is zeroed and kept alive, so a stale pointer would show."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    before, _ = _runs(llm, params)
+    old = []
+    with torch.no_grad():
+        for param in _model(llm).layers.parameters():
+            old.append(param.data)
+            param.data = param.data.clone()
+        for storage in old:
+            storage.zero_()
+    after, calls = _runs(llm, params)
+    assert after == before and calls > 0

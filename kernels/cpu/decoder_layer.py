@@ -74,6 +74,13 @@ class FusedLayers:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
         self.eps = layers[0].input_layernorm.eps
+        # _Layer's weights, 7 a layer in its field order: Parameter objects, whose storage may move.
+        self._tensors = [t for layer in layers for t in (
+            layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias,
+            layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight)]
+        self._addresses: tuple = ()
+        self._structs: list[_Layer] = []
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:
@@ -100,19 +107,17 @@ class FusedLayers:
         return None if functions is None else cls(layers, *functions)
 
     def _layer_structs(self, kv_cache: torch.Tensor) -> list[_Layer]:
-        """Each layer's pointers, read at every step: a weight's storage may have moved since
-        (workers/huge_pages.py re-points them between steps)."""
-        base, layer_bytes = kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size()
-        structs = []
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            bias = attn.qkv_proj.bias
-            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), attn.o_proj.weight.data_ptr(),
-                                  layer.post_attention_layernorm.weight.data_ptr(),
-                                  mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
-                                  base + i * layer_bytes))
-        return structs
+        """Each layer's pointers. Their addresses are read at every step, since a weight's storage
+        may have moved since the last (workers/huge_pages.py re-points them between steps); the
+        structs are rebuilt only when one has."""
+        addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
+                     *(None if t is None else t.data_ptr() for t in self._tensors))
+        if addresses != self._addresses:
+            base, layer_bytes, *weights = addresses
+            self._structs = [_Layer(*weights[i * 7:(i + 1) * 7], base + i * layer_bytes)
+                             for i in range(len(self.layers))]
+            self._addresses = addresses
+        return self._structs
 
     def step(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
              slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> FusedStep:
