@@ -81,24 +81,39 @@ def test_steps_above_the_kernels_row_limit_keep_the_python_path(tiny_llama):
     assert calls == 0
 
 
-def test_quantized_and_bf16_models_do_not_qualify(tiny_llama):
-    for kwargs in (dict(quantization="int8"), dict(dtype="bfloat16")):
-        llm = LLM(tiny_llama, kv_cache_memory=1 << 24, **kwargs)
-        _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        assert calls == 0
-        assert FusedLayers.of(list(_model(llm).layers)) is None
-        llm.shutdown()
+def test_int8_weights_take_the_fused_path_up_to_their_kernels_rows_and_match_bit_for_bit(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False, quantization="int8")
+    assert _model(llm).f32_kernel_rows < 6  # the fp32 crossover would stop a 6-row step
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5, 6]} for i in range(6)]  # 6 decode rows a step
+    fused, python, calls = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                           logprobs=2), prompts)
+    assert fused == python and calls > 0
 
 
-def test_an_fp32_layer_stack_qualifies_and_one_quantized_layer_spoils_it(tiny_llama):
+def test_bf16_models_do_not_qualify(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="bfloat16")
+    _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert calls == 0
+    assert FusedLayers.of(list(_model(llm).layers)) is None
+
+
+def test_an_fp32_layer_stack_qualifies_and_one_odd_layer_spoils_it(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24)
     layers = list(_model(llm).layers)
-    assert FusedLayers.of(layers) is not None
-    layers[-1].mlp.down_proj.weight_scale = torch.ones(layers[-1].mlp.down_proj.weight.shape[0])
+    fused = FusedLayers.of(layers)
+    assert fused is not None and not fused.all_int8
+    down = layers[-1].mlp.down_proj
+    down.weight_scale = torch.ones(down.weight.shape[0], dtype=torch.float64)  # an int8 scale of another dtype
     try:
         assert FusedLayers.of(layers) is None
     finally:
-        del layers[-1].mlp.down_proj.weight_scale
+        del down.weight_scale
+    weight = down.weight.data
+    down.weight.data = weight.t().contiguous().t()  # the same values, not contiguous
+    try:
+        assert FusedLayers.of(layers) is None
+    finally:
+        down.weight.data = weight
 
 
 def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama):

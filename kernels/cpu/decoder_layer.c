@@ -9,13 +9,16 @@
  * loop of its own.
  *
  * Every step calls the very kernels the Python path calls (their pointers are handed in:
- * weight_gemv.c's f32_gemv_f32, elementwise.c's add_rms_norm_f32, rope_f32 and silu_mul_f32),
+ * weight_gemv.c's f32_gemv_f32 and int8_gemv_f32, elementwise.c's add_rms_norm_f32, rope_f32 and
+ * silu_mul_f32),
  * on the same inputs in the same layouts, so the results are bit for bit the Python path's. */
 #include <stdint.h>
 #include <string.h>
 
 typedef void (*gemv_fn)(float *out, const float *x, const float *w, int64_t rows, int64_t n_out,
                         int64_t k_in, int num_threads);
+typedef void (*gemv_int8_fn)(float *out, const float *x, const int8_t *w, const float *scale, int64_t rows,
+                             int64_t n_out, int64_t k_in, int num_threads);
 typedef void (*norm_fn)(float *x, const float *delta, int64_t d_row, int64_t d_col, const float *w,
                         float *out, int64_t rows, int64_t dim, float eps, int num_threads);
 typedef void (*rope_fn)(float *out, const float *x, int64_t x_row, int64_t x_head, int64_t x_col,
@@ -29,13 +32,30 @@ struct kernels {
     norm_fn add_rms_norm;
     rope_fn rope;
     silu_fn silu_mul;
+    gemv_int8_fn gemv_int8;
 };
 
-/* One layer's fp32 weights, each contiguous [out, in]; qkv_bias may be NULL. */
+/* One layer's weights, each contiguous [out, in]: fp32, or int8 where the projection has a scale
+ * (quantization="int8": per output channel, fp32). Norms and qkv_bias (may be NULL) are fp32. */
 struct layer {
-    const float *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    const float *input_norm;
+    const void *qkv;
+    const float *qkv_bias;
+    const void *o;
+    const float *post_norm;
+    const void *gate_up, *down;
     float *cache;  /* this layer's [blocks, 2, block_size, kv_heads, head_dim] slice of the KV cache */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
 };
+
+/* x @ w^T for the layer's projection `w`: the int8 kernel where it has a scale. */
+static void project(const struct kernels *kn, float *out, const float *x, const void *w, const float *scale,
+                    int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
+    if (scale)
+        kn->gemv_int8(out, x, (const int8_t *)w, scale, rows, n_out, k_in, num_threads);
+    else
+        kn->gemv(out, x, (const float *)w, rows, n_out, k_in, num_threads);
+}
 
 /* The step's shapes and buffers, shared by every layer (each layer overwrites them). */
 struct step {
@@ -63,7 +83,7 @@ void decoder_pre_attention_f32(const struct kernels *kn, const struct layer *l, 
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d, width = q_size + 2 * kv_size;
     kn->add_rms_norm(s->residual, delta, s->hidden, 1, l->input_norm, s->normed, rows, s->hidden, s->eps,
                      s->num_threads);
-    kn->gemv(s->qkv, s->normed, l->qkv, rows, width, s->hidden, s->num_threads);
+    project(kn, s->qkv, s->normed, l->qkv, l->qkv_scale, rows, width, s->hidden, s->num_threads);
     if (l->qkv_bias)
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t c = 0; c < width; ++c) s->qkv[r * width + c] += l->qkv_bias[c];
@@ -82,10 +102,10 @@ void decoder_pre_attention_f32(const struct kernels *kn, const struct layer *l, 
 void decoder_post_attention_f32(const struct kernels *kn, const struct layer *l, const struct step *s,
                                 const float *attention) {
     const int64_t rows = s->rows, q_size = s->heads * s->head_dim;
-    kn->gemv(s->o, attention, l->o, rows, s->hidden, q_size, s->num_threads);
+    project(kn, s->o, attention, l->o, l->o_scale, rows, s->hidden, q_size, s->num_threads);
     kn->add_rms_norm(s->residual, s->o, s->hidden, 1, l->post_norm, s->normed, rows, s->hidden, s->eps,
                      s->num_threads);
-    kn->gemv(s->gate_up, s->normed, l->gate_up, rows, 2 * s->inter, s->hidden, s->num_threads);
+    project(kn, s->gate_up, s->normed, l->gate_up, l->gate_up_scale, rows, 2 * s->inter, s->hidden, s->num_threads);
     kn->silu_mul(s->act, s->gate_up, 2 * s->inter, 1, rows, s->inter, s->num_threads);
-    kn->gemv(s->mlp_out, s->act, l->down, rows, s->hidden, s->inter, s->num_threads);
+    project(kn, s->mlp_out, s->act, l->down, l->down_scale, rows, s->hidden, s->inter, s->num_threads);
 }

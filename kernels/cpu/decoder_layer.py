@@ -25,12 +25,16 @@ _P = ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("gemv", _P), ("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P)]
+    _fields_ = [("gemv", _P), ("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("gemv_int8", _P)]
+
+
+# _Layer's tensors, in its field order, around the cache's pointer (which comes after the first 7).
+_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
+_SCALES = ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down",
-                                        "cache")]
+    _fields_ = [(name, _P) for name in (*_WEIGHTS, "cache", *_SCALES)]
 
 
 class _Step(ctypes.Structure):
@@ -44,13 +48,14 @@ class _Step(ctypes.Structure):
 def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
     """The fused library and the table of the kernels it calls; None where any did not build."""
     lib = cpu._library(_SOURCE, "decoder_pre_attention_f32", (_P,) * 4)
-    gemv = cpu._load_gemv("f32_gemv_f32")
+    gemv, gemv_int8 = cpu._load_gemv("f32_gemv_f32"), cpu._load_gemv("int8_gemv_f32")
     elementwise = [cpu._elementwise(name, argtypes, torch.empty(1)) for name, argtypes in _ELEMENTWISE]
-    if lib is None or gemv is None or None in elementwise:
+    if lib is None or gemv is None or gemv_int8 is None or None in elementwise:
         return None
     lib.decoder_post_attention_f32.restype = None
     lib.decoder_post_attention_f32.argtypes = [_P] * 4
-    table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise))
+    table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise),
+                     ctypes.cast(gemv_int8.int8_gemv_f32, _P))
     return lib, table
 
 
@@ -74,35 +79,39 @@ class FusedLayers:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
         self.eps = layers[0].input_layernorm.eps
-        # _Layer's weights, 7 a layer in its field order: Parameter objects, whose storage may move.
-        self._tensors = [t for layer in layers for t in (
-            layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias,
-            layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight)]
+        # _Layer's tensors (_WEIGHTS, then _SCALES) of every layer: Parameters and buffers, whose
+        # storage may move.
+        self._tensors = [t for layer in layers for t in _layer_tensors(layer)]
         self._addresses: tuple = ()
         self._structs: list[_Layer] = []
+        # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
+        # model's crossover (LlamaForCausalLM._fusable).
+        self.all_int8 = all(t is not None for layer in layers for t in _layer_tensors(layer)[len(_WEIGHTS):])
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:
         """The fused path for these layers, or None where one of them does not qualify: weights
-        that are not plain fp32 on the CPU (int8, bf16, packed-only), tensor parallelism, a bias
-        other than QKV's. Judged once: a model's weights keep their kind once loaded."""
+        other than fp32 or int8 with fp32 scales on the CPU (bf16, packed-only), tensor
+        parallelism, a bias other than QKV's. Judged once: a model's weights keep their kind."""
         if not layers or layers[0].self_attn.tp.size != 1:
             return None
+        kinds = set()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            tensors = [m.weight for m in linears] + list(norms)
-            if attn.qkv_proj.bias is not None:
-                tensors.append(attn.qkv_proj.bias)
-            if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.is_meta or not t.is_contiguous()
-                   for t in tensors):
-                return None
-            if any(getattr(m, "weight_scale", None) is not None for m in linears):
-                return None
             if any(m.bias is not None for m in linears[1:]):
                 return None
+            for m in linears:
+                scale = getattr(m, "weight_scale", None)
+                kinds.add(m.weight.dtype if scale is None else (m.weight.dtype, scale.dtype))
+            if any(t.device.type != "cpu" or t.is_meta or not t.is_contiguous()
+                   for t in _layer_tensors(layer) if t is not None):
+                return None
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.bias]
+            if any(t is not None and t.dtype != torch.float32 for t in norms):
+                return None
+        if not kinds <= {torch.float32, (torch.int8, torch.float32)}:
+            return None
         functions = _functions()
         return None if functions is None else cls(layers, *functions)
 
@@ -113,15 +122,27 @@ class FusedLayers:
         addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
                      *(None if t is None else t.data_ptr() for t in self._tensors))
         if addresses != self._addresses:
-            base, layer_bytes, *weights = addresses
-            self._structs = [_Layer(*weights[i * 7:(i + 1) * 7], base + i * layer_bytes)
-                             for i in range(len(self.layers))]
+            base, layer_bytes, *pointers = addresses
+            per_layer = len(_WEIGHTS) + len(_SCALES)
+            self._structs = []
+            for i in range(len(self.layers)):
+                mine = pointers[i * per_layer:(i + 1) * per_layer]
+                self._structs.append(_Layer(*mine[:len(_WEIGHTS)], base + i * layer_bytes, *mine[len(_WEIGHTS):]))
             self._addresses = addresses
         return self._structs
 
     def step(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
              slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> FusedStep:
         return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
+
+
+def _layer_tensors(layer) -> tuple:
+    """A layer's _WEIGHTS then _SCALES (None: no bias, or a projection that is not int8)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            *(getattr(m, "weight_scale", None) for m in linears))
 
 
 class FusedStep:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import (F32_GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear, int8_linear,
-                         rope, silu_mul)
+from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear,
+                         int8_linear, rope, silu_mul)
 from kernels.cpu.decoder_layer import FusedLayers
 from workers.parallel import TensorParallel
 
@@ -358,15 +358,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
         """Whether this step's layers may run as two C calls each (kernels/cpu/decoder_layer.py):
-        fp32 rows few enough for the C projection kernel (which the Python path would take too), an
-        fp32 cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
+        fp32 rows few enough for the C projection kernels (which the Python path would take too),
+        an fp32 cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or kv_cache.dtype != torch.float32:
-            return False
-        if x.shape[0] > min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS), F32_GEMV_MAX_ROWS):
             return False
         if self._fused_layers is _UNSET:
             self._fused_layers = FusedLayers.of(list(self.layers))
-        return (self._fused_layers is not None and kv_cache.is_contiguous()
+        fused = self._fused_layers
+        if fused is None:
+            return False
+        rows = GEMV_MAX_ROWS if fused.all_int8 else min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS),
+                                                           F32_GEMV_MAX_ROWS)
+        return (x.shape[0] <= rows and kv_cache.is_contiguous()
                 and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
 
     def _fused_forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
