@@ -74,6 +74,21 @@ def test_a_c_weight_kernel_for_a_few_rows_equals_the_widened_weights_product(kin
     assert kernel(x.to(torch.bfloat16)) is None
 
 
+@pytest.mark.parametrize("rows", [3, 5, 7])
+@pytest.mark.parametrize("outputs, width", [(256, 64), (48, 96), (256, 61), (250, 64)])
+def test_the_fp32_kernel_folding_16_outputs_at_a_time_equals_the_product(rows, outputs, width):
+    """fp32, 3-7 rows on AVX-512: 16 output channels' sums folded at once where the outputs are a
+    multiple of 16 and the width of 32 (the first two shapes); the others take the per-channel
+    path."""
+    from kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    torch.manual_seed(rows + outputs + width)
+    x, w = torch.randn(rows, width), torch.randn(outputs, width)
+    torch.testing.assert_close(cpu.f32_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
 def _dequantized_hf(model_dir: str):
     """transformers' model with every decoder projection replaced by its int8 round trip."""
     from transformers import AutoModelForCausalLM

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -48,11 +49,19 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
+def _with_local_headers(source_path: Path) -> bytes:
+    """The source and every header beside it that it includes (`#include "name.h"`): the build's
+    cache key, so that a header's change rebuilds its includers."""
+    source = source_path.read_bytes()
+    headers = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source, flags=re.MULTILINE)
+    return source + b"".join(source_path.with_name(h.decode()).read_bytes() for h in headers)
+
+
 def _build(source_path: Path = _SOURCE) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    source = source_path.read_bytes()
+    source = _with_local_headers(source_path)
     tag = hashlib.blake2b(source + compiler.encode() + " ".join(_FLAGS).encode(), digest_size=8).hexdigest()
     target = _cache_dir() / f"{source_path.stem}_{tag}.so"
     if target.exists():

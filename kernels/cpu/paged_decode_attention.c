@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #endif
 
+#include "sum16.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* The cache's element i as fp32: `bf16` is a compile-time constant in every caller, so each copy
@@ -128,28 +130,6 @@ INLINE v16f load16(const void *kv, int64_t i, const int bf16) {
     memcpy(&h, (const uint16_t *)kv + i, sizeof h);
     return (v16f)(__builtin_convertvector(h, v16u) << 16); /* a bf16 is a float's upper half */
 #endif
-}
-
-/* Lane j of the result is the sum of v[j]'s lanes: pairs interleaved within 128-bit chunks, then
- * 64-bit pairs, then chunks (45 shuffles and adds for 16 sums). */
-INLINE v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-INLINE v16f sum16(const v16f *v) {
-    const v16i lo32 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
-    const v16i hi32 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
-    const v16i lo64 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const v16i hi64 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const v16i lo128 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i hi128 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    v16f quad[4];
-    for (int k = 0; k < 4; ++k) { /* quad[k] chunk c: sums of chunk c of v[4k..4k+3] */
-        const v16f *w = v + 4 * k;
-        quad[k] = pair_sum(pair_sum(w[0], w[1], lo32, hi32), pair_sum(w[2], w[3], lo32, hi32), lo64, hi64);
-    }
-    return pair_sum(pair_sum(quad[0], quad[1], lo128, hi128), pair_sum(quad[2], quad[3], lo128, hi128),
-                    lo128, hi128);
 }
 
 /* Part `part` of `parts` of block b's K (or V) lines, asked for into L2 while this block computes:
