@@ -58,17 +58,19 @@ class RequestGroup:
                                    messages=messages, timeout=timeout, chat_options=chat_options,
                                    max_tokens_field=max_tokens_field)
                    for i, (text, ids, messages) in enumerate(prompts)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
-            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+            # The first failure ends the group at once: with FINAL_ONLY a first output is a whole
+            # completion, which the other prompts would otherwise run to before it is raised.
+            await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+            error = next((f.exception() for f in firsts if f.done() and f.exception() is not None), None)
         except BaseException:  # cancelled (the client left): abort whatever got in
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            await _close(streams, firsts)
             raise
-        error = next((f for f in firsts if isinstance(f, BaseException)), None)
         if error is not None:
-            for stream in streams:
-                await stream.aclose()
+            await _close(streams, firsts)
             raise error
-        return cls(streams, firsts)
+        return cls(streams, [f.result() for f in firsts])
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) until every request has finished; raises a request's failure."""
@@ -96,6 +98,15 @@ class RequestGroup:
     def close(self) -> None:
         for pump in self._pumps:
             pump.cancel()  # the stream it reads aborts its request on the way out
+
+
+async def _close(streams: list, firsts: list[asyncio.Future]) -> None:
+    """Abort every request of a group that is not admitted: their first outputs' waits cancelled
+    (a generator that a task is still running cannot be closed), then each stream closed."""
+    for first in firsts:
+        first.cancel()
+    await asyncio.gather(*firsts, return_exceptions=True)
+    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
 async def _checked(engine: AsyncEngine, prompts: list[tuple], params: SamplingParams, priority: int,

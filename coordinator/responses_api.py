@@ -417,7 +417,8 @@ class ResponsesServing:
         chat = req.chat_request(history)
         tools = chat.tool_call_plan(self.tool_call_parser)
         reasoning = ReasoningTags(self.reasoning, engine.llm_engine.tokenizer)
-        params = final_only_unless(req.stream, reasoning.constrain_after(
+        # A background reply shows in_progress from its first output on: it streams inside.
+        params = final_only_unless(req.stream or req.background, reasoning.constrain_after(
             chat.sampling_params(tools, engine.llm_engine.generation_defaults)))
         head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": self.model_name, **req.echo(), "temperature": params.temperature, "top_p": params.top_p}

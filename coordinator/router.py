@@ -69,7 +69,7 @@ from coordinator.async_engine import AsyncEngine, EngineDeadError, QueueFullErro
 from coordinator.engine import _first_line
 from coordinator.kv_cache_manager import hash_block
 from coordinator.outputs import RequestOutput
-from coordinator.sampling_params import SamplingParams
+from coordinator.sampling_params import RequestOutputKind, SamplingParams
 from coordinator.stats import combine_replica_stats, engine_stats
 
 log = logging.getLogger("pagedserve.router")
@@ -362,6 +362,12 @@ class Router:
                      expires: float | None, prompt: str | None, timeout: float | None) -> AsyncIterator[RequestOutput]:
         lease = None  # the prefill hop's lease key, until the decode side has produced a token
         handed = 0  # prompt blocks a prefill replica was asked to hand over
+        # A replica streams every step even to a FINAL_ONLY request: the routing's load, the
+        # handoff's lease and a failover's continuation all follow its first token; the client
+        # gets the last output alone, whole.
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        if final_only:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
         try:
             if self.handoff is not None:
                 lease, handed = await self._prefill_hop(request_id, token_ids, params, priority, expires, timeout)
@@ -372,6 +378,10 @@ class Router:
                     lease = None
                     if out.metrics is not None and out.metrics.num_cached_tokens < handed * self.block_size:
                         self.pd_fallbacks += 1  # the lease expired, or a block failed its checksum
+                if final_only:
+                    if not out.finished:
+                        continue
+                    out = _whole(out)
                 yield out
         finally:
             if lease is not None:
@@ -607,6 +617,15 @@ def _continued(out: RequestOutput, prompt_ids: list[int], before: RequestOutput 
         c.cumulative_logprob += done.cumulative_logprob
     out.prompt_token_ids = prompt_ids
     out.prompt_logprobs = before.prompt_logprobs
+    return out
+
+
+def _whole(out: RequestOutput) -> RequestOutput:
+    """A finished output as a FINAL_ONLY request's only one: each sample's delta is all of it."""
+    for c in out.outputs:
+        c.delta_token_ids, c.delta_text = list(c.token_ids), c.text
+    if out.outputs:
+        out.delta_token_ids, out.delta_text = out.outputs[0].delta_token_ids, out.outputs[0].delta_text
     return out
 
 

@@ -116,10 +116,12 @@ def test_an_fp32_layer_stack_qualifies_and_one_odd_layer_spoils_it(tiny_llama):
         down.weight.data = weight
 
 
-def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama):
-    """workers/huge_pages.py re-points the weights (`param.data = copy`) between steps: the fused
-    path must follow. The old storage is zeroed and kept alive, so a stale pointer would show."""
-    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama, quantization):
+    """workers/huge_pages.py moves the weights between steps: a Parameter is re-pointed
+    (`param.data = copy`), a buffer (int8's `weight_scale`) replaced. The fused path must follow.
+    The old storage is zeroed and kept alive, so a stale pointer would show."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     before, _ = _runs(llm, params)
     old = []
@@ -127,6 +129,10 @@ def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama):
         for param in _model(llm).layers.parameters():
             old.append(param.data)
             param.data = param.data.clone()
+        for module in _model(llm).layers.modules():
+            for name, buffer in list(module._buffers.items()):
+                old.append(buffer)
+                module._buffers[name] = buffer.clone()
         for storage in old:
             storage.zero_()
     after, calls = _runs(llm, params)

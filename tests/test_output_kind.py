@@ -145,3 +145,88 @@ async def _texts(response, field: str) -> list[str]:
             texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
     await response.aclose()
     return [texts[i] for i in sorted(texts)]
+
+
+def test_through_the_router_a_final_only_request_gets_one_whole_output_and_frees_its_load_at_its_first_token(llm):
+    """The router's replica streams every step to a FINAL_ONLY request: its routing load (the
+    prompt tokens awaiting a first token) is released at the first token, not at the end; the
+    client gets the last output alone, its deltas the whole completion."""
+    from coordinator.router import Router
+
+    engine = llm.engine
+    pending_after_steps = []
+
+    async def serve() -> tuple[list, list]:
+        router = Router([AsyncEngine(engine)])
+        router.start()
+        step = engine.step
+
+        def recording_step():
+            outs = step()
+            pending_after_steps.append(router.replicas[0].pending_tokens)
+            return outs
+
+        engine.step = recording_step
+        try:
+            got = {}
+            for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+                params = SamplingParams(max_tokens=10, output_kind=kind, **GREEDY)
+                got[kind] = [out async for out in router.generate(None, PROMPT, params)]
+        finally:
+            del engine.step
+            await router.stop()
+        return got[RequestOutputKind.CUMULATIVE], got[RequestOutputKind.FINAL_ONLY]
+
+    streamed, final = asyncio.run(serve())
+    assert len(streamed) == 10 and len(final) == 1 and final[0].finished
+    whole = final[0].outputs[0]
+    assert whole.delta_token_ids == whole.token_ids == streamed[-1].outputs[0].token_ids
+    assert whole.delta_text == whole.text == streamed[-1].outputs[0].text
+    assert pending_after_steps[-3:] == [0, 0, 0]  # released long before the final request ended
+
+
+def test_a_failing_prompt_of_a_final_only_group_aborts_the_others_at_once(llm):
+    """Several prompts in one non-streaming request: a prompt that fails ends the group at once,
+    without its siblings running to their end first (each one's first output is its last)."""
+    from coordinator.openai_serving import RequestGroup
+
+    class FailingSecond:
+        """An AsyncEngine whose second request fails at once; every request made is recorded."""
+
+        def __init__(self, engine: AsyncEngine):
+            self.engine, self.started = engine, []
+
+        def __getattr__(self, name):  # the queue's figures and the input checks: the engine's
+            return getattr(self.engine, name)
+
+        def generate(self, text, ids, params, request_id, priority, **kwargs):
+            self.started.append(request_id)
+            if request_id.endswith("-1"):
+                return _fails()
+            return self.engine.generate(text, ids, params, request_id, priority, **kwargs)
+
+    async def _fails():
+        raise ValueError("prompt 1 is refused")
+        yield  # an async generator
+
+    async def run() -> tuple[str, float]:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        failing = FailingSecond(engine)
+        params = SamplingParams(max_tokens=400, output_kind=RequestOutputKind.FINAL_ONLY, **GREEDY)
+        try:
+            with pytest.raises(ValueError, match="prompt 1 is refused"):
+                await RequestGroup.admit(failing, [(None, PROMPT, None)] * 3, params, "grp", 0, None)
+            for _ in range(100):  # the aborts are applied between steps
+                if not llm.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            return failing.started, llm.stats()["num_steps"]
+        finally:
+            await engine.stop()
+
+    steps_before = llm.stats()["num_steps"]
+    started, steps_after = asyncio.run(run())
+    assert started == ["grp-0", "grp-1", "grp-2"]
+    assert steps_after - steps_before < 100  # the siblings' 400 tokens each were never all made
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0

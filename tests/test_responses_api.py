@@ -237,6 +237,18 @@ def test_a_background_response_runs_on_and_is_read_back(client, server):
     assert client.responses.cancel(done.id).status == "incomplete"
 
 
+def test_a_polled_background_response_shows_in_progress_while_it_runs(client, server):
+    running = client.responses.create(model=server.model, input="Go on", max_output_tokens=900, background=True,
+                                      **GREEDY)
+    seen = [running.status]
+    deadline = time.monotonic() + 60
+    while seen[-1] == "queued" and time.monotonic() < deadline:
+        time.sleep(0.02)
+        seen.append(client.responses.retrieve(running.id).status)
+    assert seen[-1] == "in_progress", seen  # not queued until it is done
+    assert client.responses.cancel(running.id).status == "cancelled"
+
+
 def test_a_background_response_is_cancelled_and_frees_its_blocks(client, server):
     generated = ray.get(server.actor.stats.remote(), timeout=30)["generation_tokens"]
     running = client.responses.create(model=server.model, input="Go on", max_output_tokens=900, background=True,

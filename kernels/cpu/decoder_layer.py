@@ -79,9 +79,10 @@ class FusedLayers:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
         self.eps = layers[0].input_layernorm.eps
-        # _Layer's tensors (_WEIGHTS, then _SCALES) of every layer: Parameters and buffers, whose
-        # storage may move.
-        self._tensors = [t for layer in layers for t in _layer_tensors(layer)]
+        # _Layer's weights of every layer (Parameters: their storage may be re-pointed), and the
+        # projections whose `weight_scale` buffers are read at each step (a move replaces a buffer).
+        self._tensors = [t for layer in layers for t in _layer_tensors(layer)[:len(_WEIGHTS)]]
+        self._projections = [m for layer in layers for m in _projections(layer)]
         self._addresses: tuple = ()
         self._structs: list[_Layer] = []
         # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
@@ -97,8 +98,7 @@ class FusedLayers:
             return None
         kinds = set()
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            attn, linears = layer.self_attn, _projections(layer)
             if any(m.bias is not None for m in linears[1:]):
                 return None
             for m in linears:
@@ -119,15 +119,16 @@ class FusedLayers:
         """Each layer's pointers. Their addresses are read at every step, since a weight's storage
         may have moved since the last (workers/huge_pages.py re-points them between steps); the
         structs are rebuilt only when one has."""
+        scales = (m._buffers.get("weight_scale") for m in self._projections)
         addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
-                     *(None if t is None else t.data_ptr() for t in self._tensors))
+                     *(None if t is None else t.data_ptr() for t in self._tensors),
+                     *(None if t is None else t.data_ptr() for t in scales))
         if addresses != self._addresses:
-            base, layer_bytes, *pointers = addresses
-            per_layer = len(_WEIGHTS) + len(_SCALES)
-            self._structs = []
-            for i in range(len(self.layers)):
-                mine = pointers[i * per_layer:(i + 1) * per_layer]
-                self._structs.append(_Layer(*mine[:len(_WEIGHTS)], base + i * layer_bytes, *mine[len(_WEIGHTS):]))
+            base, layer_bytes = addresses[:2]
+            weights, scales = addresses[2:2 + len(self._tensors)], addresses[2 + len(self._tensors):]
+            n, k = len(_WEIGHTS), len(_SCALES)
+            self._structs = [_Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k])
+                             for i in range(len(self.layers))]
             self._addresses = addresses
         return self._structs
 
@@ -136,13 +137,17 @@ class FusedLayers:
         return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
 
 
+def _projections(layer) -> tuple:
+    """A layer's projections, in _SCALES' order."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _layer_tensors(layer) -> tuple:
     """A layer's _WEIGHTS then _SCALES (None: no bias, or a projection that is not int8)."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
             layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            *(getattr(m, "weight_scale", None) for m in linears))
+            *(getattr(m, "weight_scale", None) for m in _projections(layer)))
 
 
 class FusedStep:
