@@ -1,14 +1,15 @@
-"""The decoder layers of a step of a few fp32 rows in two C calls each (kernels/cpu/decoder_layer.c):
-one before the attention (residual add, norm, QKV, rotary, cache writes), one after it (output
-projection, residual add, norm, MLP). The attention itself stays the backend's, so a step of any
-kind (decodes, a speculative step's drafts, small prompt chunks) can take this path.
+"""The decoder layers of a step of a few fp32 rows, with fp32 or int8 projections, in two C calls
+each (kernels/cpu/decoder_layer.c): one before the attention (residual add, norm, QKV, rotary,
+cache writes), one after it (output projection, residual add, norm, MLP). The attention itself
+stays the backend's, so a step of any kind (decodes, a speculative step's drafts, small prompt
+chunks) can take this path.
 
-    layers = FusedLayers.of(model)           # None where the model's layers do not qualify
+    layers = FusedLayers.of(list(model.layers))  # None where the layers do not qualify
     step = layers.step(residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
     for i in range(n):
-        q, k, v = step.before_attention(i)  # views of the step's buffers
+        q, k, v = step.before_attention(i)      # views of the step's buffers
         step.after_attention(i, attention(q, k, v))
-    delta = step.mlp_out                     # the last layer's output, for the final norm
+    delta = step.mlp_out                         # the last layer's output, for the final norm
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ _ELEMENTWISE = (
 
 
 class FusedLayers:
-    """The C path over a model's decoder layers (LlamaDecoderLayer's modules, fp32, one rank)."""
+    """The C path over a model's decoder layers (LlamaDecoderLayer's modules: fp32 or int8
+    projections, one rank)."""
 
     def __init__(self, layers, lib: ctypes.CDLL, table: _Kernels):
         self.layers = layers
