@@ -1,5 +1,6 @@
-"""The decoder layers as two C calls each for few-row fp32 steps (kernels/cpu/decoder_layer.c):
-taken where they apply, bit for bit the Python path's results, and left alone where they do not."""
+"""The decoder layers as two C calls each for few-row fp32 steps, or one call for a whole step of
+decode rows (kernels/cpu/decoder_layer.c): taken where they apply, bit for bit the Python path's
+results, and left alone where they do not."""
 
 from __future__ import annotations
 
@@ -16,35 +17,52 @@ def _model(llm):
     return llm.engine.executor.worker.model
 
 
-def _runs(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, int]:
-    """Each prompt's tokens and logprobs, and how many layer calls took the fused path."""
-    calls = []
-    before = FusedStep.before_attention
+class _Counts:
+    """Layers run on the fused path in a generate: one by one around the backend's attention
+    (`layered`), or whole steps of decode rows in one C call (`whole_steps`, each all layers)."""
 
-    def counting(self, i):
-        calls.append(i)
+    def __init__(self, num_layers: int):
+        self.num_layers, self.layered, self.whole_steps = num_layers, 0, 0
+
+    @property
+    def layers(self) -> int:
+        return self.layered + self.whole_steps * self.num_layers
+
+
+def _runs(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, _Counts]:
+    """Each prompt's tokens and logprobs, and what took the fused path."""
+    counts = _Counts(len(_model(llm).layers))
+    before, whole = FusedStep.before_attention, FusedStep.all_layers_decoding
+
+    def counting_layer(self, i):
+        counts.layered += 1
         return before(self, i)
 
-    FusedStep.before_attention = counting
+    def counting_step(self, *args):
+        done = whole(self, *args)
+        counts.whole_steps += done
+        return done
+
+    FusedStep.before_attention, FusedStep.all_layers_decoding = counting_layer, counting_step
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        FusedStep.before_attention = before
+        FusedStep.before_attention, FusedStep.all_layers_decoding = before, whole
     return [[(c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs or []])
-             for c in o.outputs] for o in outs], len(calls)
+             for c in o.outputs] for o in outs], counts
 
 
-def _both_paths(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, list, int]:
-    """The fused path's results, the Python path's (fused layers switched off), and the fused calls."""
+def _both_paths(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, list, _Counts]:
+    """The fused path's results, the Python path's (fused layers switched off), and what was fused."""
     model = _model(llm)
-    fused, fused_calls = _runs(llm, params, prompts)
+    fused, counts = _runs(llm, params, prompts)
     kept, model._fused_layers = model._fused_layers, None
     try:
-        python, python_calls = _runs(llm, params, prompts)
+        python, python_counts = _runs(llm, params, prompts)
     finally:
         model._fused_layers = kept
-    assert python_calls == 0
-    return fused, python, fused_calls
+    assert python_counts.layers == 0
+    return fused, python, counts
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: a QKV bias
@@ -55,10 +73,20 @@ def test_few_row_steps_take_the_fused_path_and_match_the_python_path_bit_for_bit
             if layer.self_attn.qkv_proj.bias is not None:
                 layer.self_attn.qkv_proj.bias.normal_(0.0, 0.5)
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
-    fused, python, calls = _both_paths(llm, params, PROMPTS[:2])  # 4 decode rows a step
+    fused, python, counts = _both_paths(llm, params, PROMPTS[:2])  # 4 decode rows a step
     assert fused == python
-    num_layers = len(_model(llm).layers)
-    assert calls >= 10 * num_layers  # the decode steps; the 6-token prompts run as before
+    assert counts.whole_steps >= 10  # the decode steps; the 6-token prompts (12 rows) run as before
+
+
+def test_a_short_prompt_runs_layer_by_layer_and_its_decodes_whole_both_exact(tiny_llama):
+    """A prompt of 3 tokens is a step the fused layers take but not the decode kernel (its rows
+    attend to each other): layer by layer around the backend's attention. Its decodes then run
+    as whole steps in one C call."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                            logprobs=2), [{"prompt_token_ids": [11, 12, 13]}])
+    assert fused == python
+    assert counts.layered == counts.num_layers and counts.whole_steps == 7
 
 
 def test_a_speculative_step_with_drafts_runs_fused_and_stays_exact(tiny_llama):
@@ -67,9 +95,9 @@ def test_a_speculative_step_with_drafts_runs_fused_and_stays_exact(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     repeating = [{"prompt_token_ids": [7, 8, 9, 10] * 6}]
-    fused, python, calls = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                           logprobs=1), repeating)
-    assert fused == python and calls > 0
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                            logprobs=1), repeating)
+    assert fused == python and counts.whole_steps > 0  # a draft chunk's rows are decode rows to the kernel
     assert llm.stats().get("spec_draft_tokens_total", 0) > 0
 
 
@@ -77,23 +105,23 @@ def test_steps_above_the_kernels_row_limit_keep_the_python_path(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
     limit = _model(llm).f32_kernel_rows
     prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(limit + 1)]  # limit + 1 decode rows
-    _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
-    assert calls == 0
+    _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
+    assert counts.layers == 0
 
 
 def test_int8_weights_take_the_fused_path_up_to_their_kernels_rows_and_match_bit_for_bit(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False, quantization="int8")
     assert _model(llm).f32_kernel_rows < 6  # the fp32 crossover would stop a 6-row step
     prompts = [{"prompt_token_ids": [3 + i, 4, 5, 6]} for i in range(6)]  # 6 decode rows a step
-    fused, python, calls = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                           logprobs=2), prompts)
-    assert fused == python and calls > 0
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                            logprobs=2), prompts)
+    assert fused == python and counts.layers > 0
 
 
 def test_bf16_models_do_not_qualify(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="bfloat16")
-    _, calls = _runs(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert calls == 0
+    _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert counts.layers == 0
     assert FusedLayers.of(list(_model(llm).layers)) is None
 
 
@@ -135,5 +163,5 @@ def test_weights_moved_between_steps_are_read_where_they_now_are(tiny_llama, qua
                 module._buffers[name] = buffer.clone()
         for storage in old:
             storage.zero_()
-    after, calls = _runs(llm, params)
-    assert after == before and calls > 0
+    after, counts = _runs(llm, params)
+    assert after == before and counts.layers > 0

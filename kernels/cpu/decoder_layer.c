@@ -109,3 +109,29 @@ void decoder_post_attention_f32(const struct kernels *kn, const struct layer *l,
     kn->silu_mul(s->act, s->gate_up, 2 * s->inter, 1, rows, s->inter, s->num_threads);
     project(kn, s->mlp_out, s->act, l->down, l->down_scale, rows, s->hidden, s->inter, s->num_threads);
 }
+
+/* paged_decode_attention.c's entry point (its argument list, as kernels/cpu/__init__.py's
+ * decode_attention passes it). */
+typedef void (*decode_attention_fn)(float *out, const float *query, const void *kv, const int32_t *block_tables,
+                                    const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                    int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, float scale,
+                                    int num_threads, int kv_bf16);
+
+/* A step whose every row is one sequence's next token (a decode, or a token of a small draft
+ * chunk, each with its own context length): every layer in one call, the attention on the decode
+ * kernel as the CPU backend runs it (one query row per step row, fp32 cache), into `attention`
+ * ([rows, heads, head_dim]). What the layers' Python loop and the backend's wrapper cost between
+ * the C calls, ~1.5 ms of a one-row step, goes too. */
+void decoder_decode_step_f32(const struct kernels *kn, const struct layer *layers, int64_t num_layers,
+                             const struct step *s, decode_attention_fn attend, float *attention,
+                             const int32_t *block_tables, const int32_t *context_lens, int64_t max_blocks,
+                             int64_t block_size, float scale) {
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const struct layer *l = layers + i;
+        decoder_pre_attention_f32(kn, l, s, i ? s->mlp_out : NULL);
+        attend(attention, s->q, l->cache, block_tables, context_lens, s->rows, s->heads, s->kv_heads, s->head_dim,
+               block_size, max_blocks, s->s_block, s->s_kv, s->s_tok, s->head_dim, scale, s->num_threads, 0);
+        decoder_post_attention_f32(kn, l, s, attention);
+    }
+}

@@ -55,6 +55,8 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
         return None
     lib.decoder_post_attention_f32.restype = None
     lib.decoder_post_attention_f32.argtypes = [_P] * 4
+    lib.decoder_decode_step_f32.restype = None
+    lib.decoder_decode_step_f32.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float]
     table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise),
                      ctypes.cast(gemv_int8.int8_gemv_f32, _P))
     return lib, table
@@ -87,6 +89,7 @@ class FusedLayers:
         self._projections = [m for layer in layers for m in _projections(layer)]
         self._addresses: tuple = ()
         self._structs: list[_Layer] = []
+        self._array = None  # the same structs as one C array, for decoder_decode_step_f32
         # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
         # model's crossover (LlamaForCausalLM._fusable).
         self.all_int8 = all(t is not None for layer in layers for t in _layer_tensors(layer)[len(_WEIGHTS):])
@@ -131,6 +134,7 @@ class FusedLayers:
             n, k = len(_WEIGHTS), len(_SCALES)
             self._structs = [_Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k])
                              for i in range(len(self.layers))]
+            self._array = (_Layer * len(self._structs))(*self._structs)
             self._addresses = addresses
         return self._structs
 
@@ -162,7 +166,7 @@ class FusedStep:
         rows, f = residual.shape[0], fused
         q_size, kv_size = f.heads * f.head_dim, f.kv_heads * f.head_dim
         widths = dict(normed=f.hidden, qkv=q_size + 2 * kv_size, q=q_size, k=kv_size, o=f.hidden,
-                      gate_up=2 * f.inter, act=f.inter, mlp_out=f.hidden)
+                      gate_up=2 * f.inter, act=f.inter, mlp_out=f.hidden, attention=q_size)
         space = torch.empty(rows * sum(widths.values()), dtype=torch.float32)
         views, start = {}, 0
         for name, width in widths.items():
@@ -181,6 +185,8 @@ class FusedStep:
                            cos.data_ptr(), sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
                            kv_cache.stride(0), s_kv, s_tok)
         self._layers = fused._layer_structs(kv_cache)
+        self._fused = fused
+        self._attention = views["attention"]
         self._pre = fused._lib.decoder_pre_attention_f32
         self._post = fused._lib.decoder_post_attention_f32
         self._table = ctypes.byref(fused._table)
@@ -196,3 +202,19 @@ class FusedStep:
         """Layer i from its attention's result ([rows, heads, head_dim]) on: its output is `mlp_out`."""
         attention = attention.contiguous()
         self._post(self._table, ctypes.byref(self._layers[i]), self._step_ref, attention.data_ptr())
+
+    def all_layers_decoding(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                            scale: float) -> bool:
+        """Every layer in one C call, for a step whose every row is one sequence's next token: the
+        attention on the C decode kernel, as the CPU backend runs such a step (`block_tables`
+        [rows, max_blocks] and `context_lens` [rows], int32 contiguous, one per row). False, with
+        nothing done, where that kernel did not build."""
+        lib = cpu.load()
+        if lib is None:
+            return False
+        f = self._fused
+        f._lib.decoder_decode_step_f32(self._table, f._array, len(f.layers), self._step_ref,
+                                       ctypes.cast(lib.paged_decode_attention_f32, _P), self._attention.data_ptr(),
+                                       block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1],
+                                       block_size, scale)
+        return True

@@ -377,10 +377,14 @@ class LlamaForCausalLM(nn.Module):
         on the same inputs as the Python path, so the same results bit for bit."""
         slots = getattr(meta, "prefills", meta)  # the CPU backend's per-token slots, or the torch one's own
         step = self._fused_layers.step(x, cos, sin, kv_cache, slots.slot_blocks, slots.slot_offsets)
-        attention = meta.backend.paged_attention
-        for i, layer in enumerate(self.layers):
-            q, k, v = step.before_attention(i)
-            step.after_attention(i, attention(q, k, v, kv_cache[:, i], meta, layer.self_attn.scale))
+        # A step of decode rows alone (the CPU backend's only_decodes) runs whole in C, its attention
+        # on the decode kernel the backend would call; any other step, layer by layer around it.
+        if not (getattr(meta, "only_decodes", False) and step.all_layers_decoding(
+                meta.decode_block_tables, meta.decode_context_lens, kv_cache.shape[3], self.layers[0].self_attn.scale)):
+            attention = meta.backend.paged_attention
+            for i, layer in enumerate(self.layers):
+                q, k, v = step.before_attention(i)
+                step.after_attention(i, attention(q, k, v, kv_cache[:, i], meta, layer.self_attn.scale))
         return self.norm.add_forward(step.mlp_out, x)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
