@@ -46,8 +46,10 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("s_block", "s_kv", "s_tok")])
 
 
-def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
-    """The fused library and the table of the kernels it calls; None where any did not build."""
+def _functions() -> tuple[ctypes.CDLL, _Kernels, int | None] | None:
+    """The fused library, the table of the kernels it calls, and the decode attention's entry point
+    (None where that kernel did not build: no step then runs whole); None where any of the rest did
+    not build."""
     lib = cpu._library(_SOURCE, "decoder_pre_attention_f32", (_P,) * 4)
     gemv, gemv_int8 = cpu._load_gemv("f32_gemv_f32"), cpu._load_gemv("int8_gemv_f32")
     elementwise = [cpu._elementwise(name, argtypes, torch.empty(1)) for name, argtypes in _ELEMENTWISE]
@@ -59,7 +61,8 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
     lib.decoder_decode_step_f32.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float]
     table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise),
                      ctypes.cast(gemv_int8.int8_gemv_f32, _P))
-    return lib, table
+    attention = cpu.load()
+    return lib, table, None if attention is None else ctypes.cast(attention.paged_decode_attention_f32, _P).value
 
 
 # The element-wise kernels in _Kernels' order, with the argtypes their Python wrappers give them.
@@ -75,10 +78,11 @@ class FusedLayers:
     """The C path over a model's decoder layers (LlamaDecoderLayer's modules: fp32 or int8
     projections, one rank)."""
 
-    def __init__(self, layers, lib: ctypes.CDLL, table: _Kernels):
+    def __init__(self, layers, lib: ctypes.CDLL, table: _Kernels, decode_attention: int | None):
         self.layers = layers
         self._lib = lib
         self._table = table
+        self._decode_attention = decode_attention
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
@@ -88,11 +92,10 @@ class FusedLayers:
         self._tensors = [t for layer in layers for t in _layer_tensors(layer)[:len(_WEIGHTS)]]
         self._projections = [m for layer in layers for m in _projections(layer)]
         self._addresses: tuple = ()
-        self._structs: list[_Layer] = []
-        self._array = None  # the same structs as one C array, for decoder_decode_step_f32
+        self._structs = None  # one C array of _Layer, one per layer
         # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
         # model's crossover (LlamaForCausalLM._fusable).
-        self.all_int8 = all(t is not None for layer in layers for t in _layer_tensors(layer)[len(_WEIGHTS):])
+        self.all_int8 = all(getattr(m, "weight_scale", None) is not None for m in self._projections)
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:
@@ -120,7 +123,7 @@ class FusedLayers:
         functions = _functions()
         return None if functions is None else cls(layers, *functions)
 
-    def _layer_structs(self, kv_cache: torch.Tensor) -> list[_Layer]:
+    def _layer_structs(self, kv_cache: torch.Tensor) -> ctypes.Array:
         """Each layer's pointers. Their addresses are read at every step, since a weight's storage
         may have moved since the last (workers/huge_pages.py re-points them between steps); the
         structs are rebuilt only when one has."""
@@ -132,9 +135,9 @@ class FusedLayers:
             base, layer_bytes = addresses[:2]
             weights, scales = addresses[2:2 + len(self._tensors)], addresses[2 + len(self._tensors):]
             n, k = len(_WEIGHTS), len(_SCALES)
-            self._structs = [_Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k])
-                             for i in range(len(self.layers))]
-            self._array = (_Layer * len(self._structs))(*self._structs)
+            self._structs = (_Layer * len(self.layers))(*(
+                _Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k])
+                for i in range(len(self.layers))))
             self._addresses = addresses
         return self._structs
 
@@ -209,12 +212,10 @@ class FusedStep:
         attention on the C decode kernel, as the CPU backend runs such a step (`block_tables`
         [rows, max_blocks] and `context_lens` [rows], int32 contiguous, one per row). False, with
         nothing done, where that kernel did not build."""
-        lib = cpu.load()
-        if lib is None:
-            return False
         f = self._fused
-        f._lib.decoder_decode_step_f32(self._table, f._array, len(f.layers), self._step_ref,
-                                       ctypes.cast(lib.paged_decode_attention_f32, _P), self._attention.data_ptr(),
-                                       block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1],
-                                       block_size, scale)
+        if f._decode_attention is None:
+            return False
+        f._lib.decoder_decode_step_f32(self._table, self._layers, len(f.layers), self._step_ref, f._decode_attention,
+                                       self._attention.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                                       block_tables.shape[1], block_size, scale)
         return True
