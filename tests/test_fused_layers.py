@@ -1,12 +1,14 @@
-"""The decoder layers as two C calls each for few-row fp32 steps, or one call for a whole step of
-decode rows (kernels/cpu/decoder_layer.c): taken where they apply, bit for bit the Python path's
-results, and left alone where they do not."""
+"""The decoder layers as two C calls each for fp32 steps (few rows, or any number where the
+projections are MKL-packed), or one call for a whole step of decode rows
+(kernels/cpu/decoder_layer.c): taken where they apply, bit for bit the Python path's results, and
+left alone where they do not."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.cpu import mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers, FusedStep
 from pagedserve import LLM, SamplingParams
 
@@ -101,9 +103,31 @@ def test_a_speculative_step_with_drafts_runs_fused_and_stays_exact(tiny_llama):
     assert llm.stats().get("spec_draft_tokens_total", 0) > 0
 
 
-def test_steps_above_the_kernels_row_limit_keep_the_python_path(tiny_llama):
+@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
+def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_for_bit(tiny_llama):
+    """With every projection MKL-packed, any step runs fused: beyond the model's crossover the C
+    layers call the packed GEMM, as `linear` does (the C weight kernel takes at most 16 rows, and
+    a GEMM of another order would not round the same)."""
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
-    limit = _model(llm).f32_kernel_rows
+    model = _model(llm)
+    limit = model.f32_kernel_rows
+    assert FusedLayers.of(list(model.layers)).all_packed
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5] + [7 + i] * 30} for i in range(limit + 15)]  # > 16 decode rows
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.7, seed=3, max_tokens=4, ignore_eos=True,
+                                                            logprobs=2), prompts)
+    assert fused == python
+    assert counts.whole_steps == 3 and counts.layered >= counts.num_layers  # the decodes, the prompts' chunk
+
+
+def test_without_packed_weights_steps_above_the_kernels_rows_keep_the_python_path(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    model = _model(llm)
+    for layer in model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            m.__dict__.pop("packed_weight", None)
+    model._fused_layers = FusedLayers.of(list(model.layers))
+    assert not model._fused_layers.all_packed
+    limit = model.f32_kernel_rows
     prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(limit + 1)]  # limit + 1 decode rows
     _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
     assert counts.layers == 0

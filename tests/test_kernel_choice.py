@@ -39,7 +39,7 @@ def _packed_layers(count: int, out_features: int, in_features: int) -> nn.Module
     model = nn.Sequential(*[nn.Linear(in_features, out_features, bias=False) for _ in range(count)])
     for layer in model:
         layer.weight.requires_grad_(False)
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+        layer.packed_weight = llama._pack(layer.weight)
     return model
 
 
@@ -107,9 +107,9 @@ def test_the_two_kernels_alternate_within_each_round_of_a_measurement(monkeypatc
     # A burst of other work on the cores must slow both sides of a comparison, not only the side
     # whose repeats it fell on: each round times the C kernel, then oneDNN.
     calls: list[str] = []
-    original_kernel, original_onednn = kernel_choice.f32_linear, llama.onednn_linear
+    original_kernel, original_onednn = kernel_choice.f32_linear, llama.packed_linear
     monkeypatch.setattr(kernel_choice, "f32_linear", lambda x, w: calls.append("c") or original_kernel(x, w))
-    monkeypatch.setattr(llama, "onednn_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
+    monkeypatch.setattr(llama, "packed_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
     monkeypatch.setattr(kernel_choice, "CANDIDATE_ROWS", (5,))
     layers = list(_packed_layers(2, 256, 256))
     timings = kernel_choice.measure(layers)
@@ -148,9 +148,9 @@ def test_an_unwritable_cache_still_chooses(tmp_path, monkeypatch):
 
 def test_a_layer_takes_the_kernel_up_to_its_own_rows(monkeypatch):
     calls: list[str] = []
-    original_kernel, original_onednn = llama.f32_linear, llama.onednn_linear
+    original_kernel, original_onednn = llama.f32_linear, llama.packed_linear
     monkeypatch.setattr(llama, "f32_linear", lambda x, w: calls.append("c") or original_kernel(x, w))
-    monkeypatch.setattr(llama, "onednn_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
+    monkeypatch.setattr(llama, "packed_linear", lambda x, p, b=None: calls.append("onednn") or original_onednn(x, p, b))
     layer = _packed_layers(1, 80, 96)[0]
     x = torch.randn(6, 96)
     llama.project(x, layer)

@@ -1,4 +1,5 @@
-"""fp32 linear layers on oneDNN's GEMM with weights packed once (`pack_weights`): above
+"""fp32 linear layers on a GEMM with weights packed once (`pack_weights`: MKL's packed GEMM where
+torch exports it, else oneDNN's; both are tested where both are there): above
 F32_KERNEL_ROWS rows the packed copy, at a decode's few rows the C kernel on the plain weight,
 which fp32 keeps beside it. The routing, its results against torch's, and an fp32 engine whose
 layers and LM head carry both (its greedy tokens against transformers are
@@ -9,10 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu import mkl_packed
 from pagedserve import LLM, SamplingParams
 from workers.models import llama
 
-pytestmark = pytest.mark.skipif(not llama.PACK_F32, reason="torch has no oneDNN fp32 GEMM here")
+pytestmark = pytest.mark.skipif(not llama.PACK_F32, reason="torch has no packed fp32 GEMM here")
+
+PACKINGS = {"mkl": mkl_packed.PackedWeight, "onednn": torch.ops.mkldnn._reorder_linear_weight}
+if not mkl_packed.available():
+    del PACKINGS["mkl"]
+if not llama._mkldnn_f32():
+    del PACKINGS["onednn"]
 
 
 def _count_calls(monkeypatch, name: str) -> list[int]:
@@ -22,16 +30,17 @@ def _count_calls(monkeypatch, name: str) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("tokens", [1, 4, 5, 17, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp32_rows_above_the_kernels_take_the_packed_weight(tokens, with_bias, monkeypatch):
-    onednn = _count_calls(monkeypatch, "onednn_linear")
+def test_fp32_rows_above_the_kernels_take_the_packed_weight(tokens, with_bias, packing, monkeypatch):
+    onednn = _count_calls(monkeypatch, "packed_linear")
     kernel = _count_calls(monkeypatch, "f32_linear")
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 96)
     w = torch.randn(80, 96)
     bias = torch.randn(80) if with_bias else None
-    got = llama.linear(x, w, bias, packed=torch.ops.mkldnn._reorder_linear_weight(w))
+    got = llama.linear(x, w, bias, packed=PACKINGS[packing](w))
     assert onednn == ([tokens] if tokens > llama.F32_KERNEL_ROWS else [])
     assert kernel == ([tokens] if tokens <= llama.F32_KERNEL_ROWS else [])
     assert got.dtype == torch.float32 and got.shape == (tokens, 80)
@@ -42,35 +51,44 @@ def test_fp32_rows_above_the_kernels_take_the_packed_weight(tokens, with_bias, m
     assert onednn == []
 
 
-def test_a_strided_input_gives_the_same_result(monkeypatch):
-    """The attention's output and the weight-major GEMM's are views: oneDNN reads them as they are."""
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_a_strided_input_gives_the_same_result(packing):
+    """The attention's output and the weight-major GEMM's are views."""
     torch.manual_seed(0)
     x = torch.randn(96, 33).t()  # [33, 96], not contiguous
     w = torch.randn(80, 96)
-    got = llama.linear(x, w, packed=torch.ops.mkldnn._reorder_linear_weight(w))
+    got = llama.linear(x, w, packed=PACKINGS[packing](w))
     torch.testing.assert_close(got, x.contiguous() @ w.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("tokens", [1, 4, 5, 64])
-def test_the_lm_head_takes_its_packed_copy_above_the_kernels_rows(tokens, monkeypatch):
-    onednn = _count_calls(monkeypatch, "onednn_linear")
+def test_the_lm_head_takes_its_packed_copy_above_the_kernels_rows(tokens, packing, monkeypatch):
+    onednn = _count_calls(monkeypatch, "packed_linear")
     torch.manual_seed(tokens)
     x, w = torch.randn(tokens, 64), torch.randn(3000, 64)
-    got = llama.lm_head(x, w, torch.ops.mkldnn._reorder_linear_weight(w))
+    got = llama.lm_head(x, w, PACKINGS[packing](w))
     assert onednn == ([tokens] if tokens > llama.F32_KERNEL_ROWS else [])
     assert got.is_contiguous() and got.shape == (tokens, 3000)
     torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
 def test_an_fp32_engine_packs_every_linear_layer_and_keeps_the_plain_weights(tiny_llama, monkeypatch):
-    onednn = _count_calls(monkeypatch, "onednn_linear")
+    onednn = _count_calls(monkeypatch, "packed_linear")
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
         model = llm.engine.executor.worker.model
         for layer in (model.layers[0].self_attn.qkv_proj, model.layers[-1].self_attn.o_proj,
                       model.layers[0].mlp.gate_up_proj, model.layers[-1].mlp.down_proj):
-            assert layer.packed_weight.is_mkldnn
+            # MKL's packing where torch has it (the faster: kernels/cpu/mkl_packed.py), else oneDNN's.
+            if mkl_packed.available():
+                assert isinstance(layer.packed_weight, mkl_packed.PackedWeight)
+            else:
+                assert layer.packed_weight.is_mkldnn
             assert not layer.weight.is_meta and layer.weight.dtype == torch.float32  # the C kernel's
         assert hasattr(model, "packed_lm_head")
+        # The Python path's routing (the C layers, which call MKL's packed GEMM themselves, are
+        # tests/test_fused_layers.py's).
+        model._fused_layers = None
         prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 5 for i in range(24)]} for j in range(6)]
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outs)

@@ -1,5 +1,6 @@
-"""Up to how many rows a model's fp32 linear layers run the C weight kernel rather than oneDNN's
-GEMM on the packed weight, measured per machine and set on the model (`f32_kernel_rows` on each
+"""Up to how many rows a model's fp32 linear layers run the C weight kernel rather than the GEMM
+on the packed weight (MKL's packed GEMM, or oneDNN's where torch has no MKL: both "oneDNN"
+below, where the figures were taken), measured per machine and set on the model (`f32_kernel_rows` on each
 packed layer and on the model for its LM head, read by `linear` and `lm_head` in
 workers/models/llama.py; F32_KERNEL_ROWS there is the default).
 
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 import kernels.cpu
-from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear
+from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed
 from pagedserve.config import cache_dir
 from workers.json_file import locked, write_atomically
 from workers.models import llama
@@ -96,7 +97,8 @@ def _cpu_name() -> str:
 def _key(layers: list[nn.Linear]) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in layers})
     kernel = hashlib.blake2b(GEMV_SOURCE.read_bytes(), digest_size=8).hexdigest()
-    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{shapes}"
+    gemm = "mkl-packed" if mkl_packed.available() else "onednn"  # the other side of the comparison
+    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemm}|{shapes}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -164,7 +166,7 @@ def measure(layers: list[nn.Linear]) -> dict[int, tuple[float, float]]:
             break
         kernel, onednn = _best_times(
             lambda: [f32_linear(xs[m.weight.shape[1]], m.weight) for m in layers],
-            lambda: [llama.onednn_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
+            lambda: [llama.packed_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
         timings[rows] = (kernel, onednn)
         if choose_rows(timings, llama.F32_KERNEL_ROWS) != rows:
             break

@@ -1,7 +1,7 @@
-/* A decoder layer's work on either side of its attention, for a step of a few fp32 rows (a
- * decode step's): two C calls a layer in place of ~20 Python-level operations (the norms, the
- * four projections, the two rotary passes, the cache writes, the gated activation, the splits
- * and reshapes between them).
+/* A decoder layer's work on either side of its attention, for a step of fp32 rows (a decode
+ * step's, or any step's where the projections have MKL-packed weights): two C calls a layer in
+ * place of ~20 Python-level operations (the norms, the four projections, the two rotary passes,
+ * the cache writes, the gated activation, the splits and reshapes between them).
  *
  * Why: a one-row decode step of SmolLM2 spent ~8 of its 26 ms in Python and torch's dispatch
  * between the kernels (perf, the engine thread), and each of those operations runs cold: the
@@ -9,9 +9,9 @@
  * loop of its own.
  *
  * Every step calls the very kernels the Python path calls (their pointers are handed in:
- * weight_gemv.c's f32_gemv_f32 and int8_gemv_f32, elementwise.c's add_rms_norm_f32, rope_f32 and
- * silu_mul_f32),
- * on the same inputs in the same layouts, so the results are bit for bit the Python path's. */
+ * weight_gemv.c's f32_gemv_f32 and int8_gemv_f32, MKL's cblas_sgemm_compute beyond the step's
+ * kernel_rows, elementwise.c's add_rms_norm_f32, rope_f32 and silu_mul_f32), on the same inputs
+ * in the same layouts, so the results are bit for bit the Python path's. */
 #include <stdint.h>
 #include <string.h>
 
@@ -26,6 +26,10 @@ typedef void (*rope_fn)(float *out, const float *x, int64_t x_row, int64_t x_hea
                         int num_threads);
 typedef void (*silu_fn)(float *out, const float *gate_up, int64_t g_row, int64_t g_col, int64_t rows,
                         int64_t inter, int num_threads);
+/* cblas_sgemm_compute (LP64 MKL: int arguments), on a weight packed by cblas_sgemm_pack. */
+typedef void (*packed_gemm_fn)(int layout, int transa, int transb, int m, int n, int k, const float *a, int lda,
+                               const void *b, int ldb, float beta, float *c, int ldc);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
 
 struct kernels {
     gemv_fn gemv;
@@ -33,6 +37,7 @@ struct kernels {
     rope_fn rope;
     silu_fn silu_mul;
     gemv_int8_fn gemv_int8;
+    packed_gemm_fn packed_gemm;  /* NULL where torch has no MKL */
 };
 
 /* One layer's weights, each contiguous [out, in]: fp32, or int8 where the projection has a scale
@@ -46,16 +51,9 @@ struct layer {
     const void *gate_up, *down;
     float *cache;  /* this layer's [blocks, 2, block_size, kv_heads, head_dim] slice of the KV cache */
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    /* The fp32 projections' MKL-packed copies (NULL: none), for rows beyond the step's kernel_rows. */
+    const void *qkv_packed, *o_packed, *gate_up_packed, *down_packed;
 };
-
-/* x @ w^T for the layer's projection `w`: the int8 kernel where it has a scale. */
-static void project(const struct kernels *kn, float *out, const float *x, const void *w, const float *scale,
-                    int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
-    if (scale)
-        kn->gemv_int8(out, x, (const int8_t *)w, scale, rows, n_out, k_in, num_threads);
-    else
-        kn->gemv(out, x, (const float *)w, rows, n_out, k_in, num_threads);
-}
 
 /* The step's shapes and buffers, shared by every layer (each layer overwrites them). */
 struct step {
@@ -73,7 +71,21 @@ struct step {
     const float *cos_t, *sin_t;                 /* [rows, head_dim] */
     const int64_t *slot_blocks, *slot_offsets;  /* [rows]: where each row's K/V goes */
     int64_t s_block, s_kv, s_tok;               /* the cache's strides, in floats */
+    int64_t kernel_rows;  /* up to this many rows fp32 projections take the C kernel, beyond it the packed GEMM */
 };
+
+/* x @ w^T for the layer's projection `w`: the int8 kernel where it has a scale; fp32, the C kernel
+ * up to the step's kernel_rows and the packed GEMM beyond (as workers/models/llama.py's `linear`). */
+static void project(const struct kernels *kn, const struct step *s, float *out, const float *x, const void *w,
+                    const float *scale, const void *packed, int64_t n_out, int64_t k_in) {
+    if (scale)
+        kn->gemv_int8(out, x, (const int8_t *)w, scale, s->rows, n_out, k_in, s->num_threads);
+    else if (packed && s->rows > s->kernel_rows)
+        kn->packed_gemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_PACKED, (int)s->rows, (int)n_out, (int)k_in, x,
+                        (int)k_in, packed, (int)k_in, 0.0f, out, (int)n_out);
+    else
+        kn->gemv(out, x, (const float *)w, s->rows, n_out, k_in, s->num_threads);
+}
 
 /* residual += delta (none at the first layer), the input norm, the QKV projection (+ bias), the
  * rotary form of q and k, and k and v written to the row's cache slot. */
@@ -83,7 +95,7 @@ void decoder_pre_attention_f32(const struct kernels *kn, const struct layer *l, 
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d, width = q_size + 2 * kv_size;
     kn->add_rms_norm(s->residual, delta, s->hidden, 1, l->input_norm, s->normed, rows, s->hidden, s->eps,
                      s->num_threads);
-    project(kn, s->qkv, s->normed, l->qkv, l->qkv_scale, rows, width, s->hidden, s->num_threads);
+    project(kn, s, s->qkv, s->normed, l->qkv, l->qkv_scale, l->qkv_packed, width, s->hidden);
     if (l->qkv_bias)
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t c = 0; c < width; ++c) s->qkv[r * width + c] += l->qkv_bias[c];
@@ -102,12 +114,12 @@ void decoder_pre_attention_f32(const struct kernels *kn, const struct layer *l, 
 void decoder_post_attention_f32(const struct kernels *kn, const struct layer *l, const struct step *s,
                                 const float *attention) {
     const int64_t rows = s->rows, q_size = s->heads * s->head_dim;
-    project(kn, s->o, attention, l->o, l->o_scale, rows, s->hidden, q_size, s->num_threads);
+    project(kn, s, s->o, attention, l->o, l->o_scale, l->o_packed, s->hidden, q_size);
     kn->add_rms_norm(s->residual, s->o, s->hidden, 1, l->post_norm, s->normed, rows, s->hidden, s->eps,
                      s->num_threads);
-    project(kn, s->gate_up, s->normed, l->gate_up, l->gate_up_scale, rows, 2 * s->inter, s->hidden, s->num_threads);
+    project(kn, s, s->gate_up, s->normed, l->gate_up, l->gate_up_scale, l->gate_up_packed, 2 * s->inter, s->hidden);
     kn->silu_mul(s->act, s->gate_up, 2 * s->inter, 1, rows, s->inter, s->num_threads);
-    project(kn, s->mlp_out, s->act, l->down, l->down_scale, rows, s->hidden, s->inter, s->num_threads);
+    project(kn, s, s->mlp_out, s->act, l->down, l->down_scale, l->down_packed, s->hidden, s->inter);
 }
 
 /* paged_decode_attention.c's entry point (its argument list, as kernels/cpu/__init__.py's

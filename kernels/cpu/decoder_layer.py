@@ -1,4 +1,5 @@
-"""The decoder layers of a step of a few fp32 rows, with fp32 or int8 projections, in two C calls
+"""The decoder layers of a step of fp32 rows (a few, or any number where the fp32 projections carry
+MKL-packed weights), with fp32 or int8 projections, in two C calls
 each (kernels/cpu/decoder_layer.c): one before the attention (residual add, norm, QKV, rotary,
 cache writes), one after it (output projection, residual add, norm, MLP). The attention itself
 stays the backend's, so a step of any kind (decodes, a speculative step's drafts, small prompt
@@ -20,22 +21,26 @@ from pathlib import Path
 import torch
 
 from kernels import cpu
+from kernels.cpu import mkl_packed
 
 _SOURCE = Path(__file__).with_name("decoder_layer.c")
 _P = ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("gemv", _P), ("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("gemv_int8", _P)]
+    _fields_ = [("gemv", _P), ("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("gemv_int8", _P),
+                ("packed_gemm", _P)]
 
 
-# _Layer's tensors, in its field order, around the cache's pointer (which comes after the first 7).
+# _Layer's tensors, in its field order, around the cache's pointer (which comes after the first 7),
+# then the projections' MKL-packed weights.
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 _SCALES = ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")
+_PACKED = ("qkv_packed", "o_packed", "gate_up_packed", "down_packed")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (*_WEIGHTS, "cache", *_SCALES)]
+    _fields_ = [(name, _P) for name in (*_WEIGHTS, "cache", *_SCALES, *_PACKED)]
 
 
 class _Step(ctypes.Structure):
@@ -43,7 +48,7 @@ class _Step(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("num_threads", ctypes.c_int)]
                 + [(name, _P) for name in ("residual", "normed", "qkv", "q", "k", "o", "gate_up", "act", "mlp_out",
                                            "cos_t", "sin_t", "slot_blocks", "slot_offsets")]
-                + [(name, ctypes.c_int64) for name in ("s_block", "s_kv", "s_tok")])
+                + [(name, ctypes.c_int64) for name in ("s_block", "s_kv", "s_tok", "kernel_rows")])
 
 
 def _functions() -> tuple[ctypes.CDLL, _Kernels, int | None] | None:
@@ -60,7 +65,7 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels, int | None] | None:
     lib.decoder_decode_step_f32.restype = None
     lib.decoder_decode_step_f32.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float]
     table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise),
-                     ctypes.cast(gemv_int8.int8_gemv_f32, _P))
+                     ctypes.cast(gemv_int8.int8_gemv_f32, _P), mkl_packed.compute_address())
     attention = cpu.load()
     return lib, table, None if attention is None else ctypes.cast(attention.paged_decode_attention_f32, _P).value
 
@@ -94,8 +99,10 @@ class FusedLayers:
         self._addresses: tuple = ()
         self._structs = None  # one C array of _Layer, one per layer
         # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
-        # model's crossover (LlamaForCausalLM._fusable).
+        # model's crossover, or any number where they all have an MKL-packed copy for the rows
+        # beyond (LlamaForCausalLM._fusable).
         self.all_int8 = all(getattr(m, "weight_scale", None) is not None for m in self._projections)
+        self.all_packed = table.packed_gemm is not None and all(_mkl_packed(m) is not None for m in self._projections)
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:
@@ -128,22 +135,35 @@ class FusedLayers:
         may have moved since the last (workers/huge_pages.py re-points them between steps); the
         structs are rebuilt only when one has."""
         scales = (m._buffers.get("weight_scale") for m in self._projections)
+        packed = (_mkl_packed(m) for m in self._projections)
         addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
                      *(None if t is None else t.data_ptr() for t in self._tensors),
-                     *(None if t is None else t.data_ptr() for t in scales))
+                     *(None if t is None else t.data_ptr() for t in scales),
+                     *(None if t is None else t.data_ptr() for t in packed))
         if addresses != self._addresses:
             base, layer_bytes = addresses[:2]
-            weights, scales = addresses[2:2 + len(self._tensors)], addresses[2 + len(self._tensors):]
             n, k = len(_WEIGHTS), len(_SCALES)
+            weights = addresses[2:2 + len(self._tensors)]
+            scales = addresses[2 + len(self._tensors):2 + len(self._tensors) + len(self._projections)]
+            packed = addresses[2 + len(self._tensors) + len(self._projections):]
             self._structs = (_Layer * len(self.layers))(*(
-                _Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k])
+                _Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k],
+                       *packed[i * k:(i + 1) * k])
                 for i in range(len(self.layers))))
             self._addresses = addresses
         return self._structs
 
     def step(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> FusedStep:
-        return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, kernel_rows: int) -> FusedStep:
+        """`kernel_rows`: up to how many rows the fp32 projections take the C kernel (the model's
+        crossover), beyond it their MKL-packed weight."""
+        return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows)
+
+
+def _mkl_packed(projection) -> mkl_packed.PackedWeight | None:
+    """The projection's MKL-packed fp32 weight, if `pack_weights` gave it one."""
+    packed = getattr(projection, "packed_weight", None)
+    return packed if isinstance(packed, mkl_packed.PackedWeight) else None
 
 
 def _projections(layer) -> tuple:
@@ -163,9 +183,10 @@ class FusedStep:
     """One step's buffers and the calls of its layers. `residual`: the embeddings [rows, hidden],
     contiguous, which become the residual stream in place; `cos`/`sin`: [rows, 1, head_dim]
     contiguous; `kv_cache`: [blocks, layers, 2, block_size, kv_heads, head_dim] contiguous fp32;
-    `slot_blocks`/`slot_offsets`: int64 [rows], each row's cache slot."""
+    `slot_blocks`/`slot_offsets`: int64 [rows], each row's cache slot; `kernel_rows`: as
+    FusedLayers.step's."""
 
-    def __init__(self, fused: FusedLayers, residual, cos, sin, kv_cache, slot_blocks, slot_offsets):
+    def __init__(self, fused: FusedLayers, residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows):
         rows, f = residual.shape[0], fused
         q_size, kv_size = f.heads * f.head_dim, f.kv_heads * f.head_dim
         widths = dict(normed=f.hidden, qkv=q_size + 2 * kv_size, q=q_size, k=kv_size, o=f.hidden,
@@ -186,7 +207,7 @@ class FusedStep:
                            residual.data_ptr(), *(views[n].data_ptr() for n in ("normed", "qkv", "q", "k", "o",
                                                                                "gate_up", "act", "mlp_out")),
                            cos.data_ptr(), sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
-                           kv_cache.stride(0), s_kv, s_tok)
+                           kv_cache.stride(0), s_kv, s_tok, kernel_rows)
         self._layers = fused._layer_structs(kv_cache)
         self._fused = fused
         self._attention = views["attention"]

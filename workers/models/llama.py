@@ -11,6 +11,7 @@ from torch import nn
 
 from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear,
                          int8_linear, rope, silu_mul)
+from kernels.cpu import mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers
 from workers.parallel import TensorParallel
 
@@ -54,10 +55,11 @@ def _mkldnn_bf16() -> bool:
         return False
 
 
-# fp32 layers too run oneDNN's GEMM on a weight packed once in its blocked layout, 1.2-1.5x
-# MKL's sgemm at every row count above a few (SmolLM2's 30 layers, 2 cores, the faster of
+# fp32 layers too run a GEMM on a weight packed once: oneDNN's blocked layout was 1.2-1.5x MKL's
+# plain sgemm at every row count above a few (SmolLM2's 30 layers, 2 cores, the faster of
 # F.linear and W @ x^T against packed: 8 rows 24.2 / 20.0 ms, 64 rows 112 / 80, 256 rows 443 /
-# 311, 2,048 rows 2,566 / 2,022; its LM head at 64 rows 33 / 18). Up to this many rows the C
+# 311, 2,048 rows 2,566 / 2,022; its LM head at 64 rows 33 / 18), and MKL's own packed GEMM is
+# faster again where torch has it (kernels/cpu/mkl_packed.py). Up to this many rows the C
 # kernel on the plain weight is faster still (4 rows 15.7 / 17.0, 1 row 13.6 / 20.8 ms), so fp32
 # keeps the plain weight beside the packed copy: the linear weights are held twice. Where the
 # crossover lies is the CPU's: a worker measures it for its model's layers and gives each its own
@@ -73,7 +75,7 @@ def _mkldnn_f32() -> bool:
         return False
 
 
-PACK_F32 = _mkldnn_f32()
+PACK_F32 = mkl_packed.available() or _mkldnn_f32()
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,8 +83,24 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) on the GEMM W was packed for by `pack_weights`: MKL's (fp32, where torch
+    has it) or oneDNN's."""
+    if isinstance(packed, mkl_packed.PackedWeight):
+        return mkl_packed.linear(x, packed, bias)
+    return onednn_linear(x, packed, bias)
+
+
+def _pack(weight: torch.Tensor):
+    """`weight` packed once for its GEMM: fp32 in MKL's layout where torch exports MKL's packed
+    GEMM (kernels/cpu/mkl_packed.py: 1.3-1.4x oneDNN at a decode batch's rows), else oneDNN's."""
+    if weight.dtype == torch.float32 and mkl_packed.available():
+        return mkl_packed.PackedWeight(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
 def pack_weights(model: LlamaForCausalLM) -> int:
-    """Put every CPU linear layer's weight in oneDNN's blocked layout (`packed_weight`; the LM
+    """Pack every CPU linear layer's weight once for its GEMM (`_pack`: `packed_weight`; the LM
     head's is the model's `packed_lm_head`), for `linear`: fp32 layers (keeping the plain weight
     for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
     where the plain weight gives way to a meta tensor (held once); an LM head tied to the
@@ -99,12 +117,12 @@ def pack_weights(model: LlamaForCausalLM) -> int:
     done = 0
     with torch.no_grad():
         if packable(head):
-            model.packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(head.detach())
+            model.packed_lm_head = _pack(head)
             done += 1
         for module in model.modules():
             if isinstance(module, nn.Linear) and packable(module.weight):
                 if module.weight is not head:
-                    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+                    module.packed_weight = _pack(module.weight)
                     done += 1
                 if module.weight.dtype == torch.bfloat16:
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
@@ -115,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
            kernel_rows: int = F32_KERNEL_ROWS) -> torch.Tensor:
     """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, the weight
-    in oneDNN's layout (`pack_weights`; a bf16 `weight` is then a meta tensor unless it is kept
+    packed for its GEMM (`pack_weights`; a bf16 `weight` is then a meta tensor unless it is kept
     for another use); `kernel_rows`, up to how many fp32 rows the C kernel beats the packed GEMM."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
@@ -146,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = linear(x, weight.to(x.dtype)) * scale
         return out if bias is None else out + bias
     if packed is not None and x.shape[0] > kernel_rows:
-        return onednn_linear(x, packed, bias)
+        return packed_linear(x, packed, bias)
     if x.shape[0] > SKINNY_TOKENS:
         return F.linear(x, weight, bias)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel
@@ -166,7 +184,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None =
     """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`, `kernel_rows`:
     as `linear`)."""
     if packed is not None and x.shape[0] > kernel_rows and x.dtype == torch.float32:
-        return onednn_linear(x, packed)
+        return packed_linear(x, packed)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel (1 row: 4 against 11 ms)
     if out is not None:
         return out
@@ -358,8 +376,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
         """Whether this step's layers may run as two C calls each (kernels/cpu/decoder_layer.py):
-        fp32 rows few enough for the C projection kernels (which the Python path would take too),
-        an fp32 cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
+        fp32 rows that the C path's projections take as the Python path would (few enough for the
+        C kernels, or any number where every projection has an MKL-packed fp32 weight), an fp32
+        cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or kv_cache.dtype != torch.float32:
             return False
         if self._fused_layers is _UNSET:
@@ -367,8 +386,12 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused_layers
         if fused is None:
             return False
-        rows = GEMV_MAX_ROWS if fused.all_int8 else min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS),
-                                                           F32_GEMV_MAX_ROWS)
+        if fused.all_int8:
+            rows = GEMV_MAX_ROWS
+        elif fused.all_packed:
+            rows = x.shape[0]
+        else:
+            rows = min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS), F32_GEMV_MAX_ROWS)
         return (x.shape[0] <= rows and kv_cache.is_contiguous()
                 and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
 
@@ -376,7 +399,8 @@ class LlamaForCausalLM(nn.Module):
         """`forward`'s layers, each as C before and after the backend's attention: the same kernels
         on the same inputs as the Python path, so the same results bit for bit."""
         slots = getattr(meta, "prefills", meta)  # the CPU backend's per-token slots, or the torch one's own
-        step = self._fused_layers.step(x, cos, sin, kv_cache, slots.slot_blocks, slots.slot_offsets)
+        step = self._fused_layers.step(x, cos, sin, kv_cache, slots.slot_blocks, slots.slot_offsets,
+                                       getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS))
         # A step of decode rows alone (the CPU backend's only_decodes) runs whole in C, its attention
         # on the decode kernel the backend would call; any other step, layer by layer around it.
         if not (getattr(meta, "only_decodes", False) and step.all_layers_decoding(
