@@ -49,7 +49,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     if quantization != "none":
         check_supported(quantization, device)
         quantize_model(model, dtype)
-    pack_weights(model)  # fp32, and bf16 on a CPU with bf16 arithmetic: oneDNN's layout, packed once
+    pack_weights(model)  # fp32 (MKL's layout, else oneDNN's), and bf16 with bf16 arithmetic (oneDNN's)
     return model
 
 
