@@ -77,7 +77,10 @@ def test_few_row_steps_take_the_fused_path_and_match_the_python_path_bit_for_bit
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, python, counts = _both_paths(llm, params, PROMPTS[:2])  # 4 decode rows a step
     assert fused == python
-    assert counts.whole_steps >= 10  # the decode steps; the 6-token prompts (12 rows) run as before
+    assert counts.whole_steps >= 10  # the decode steps
+    # The 6-token prompts' 12 rows are beyond the crossover (4): fused too, on MKL's packed GEMM
+    # (QKV bias included) where torch has it, else on the Python path.
+    assert counts.layered == (counts.num_layers if mkl_packed.available() else 0)
 
 
 def test_a_short_prompt_runs_layer_by_layer_and_its_decodes_whole_both_exact(tiny_llama):
@@ -119,14 +122,50 @@ def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_fo
     assert counts.whole_steps == 3 and counts.layered >= counts.num_layers  # the decodes, the prompts' chunk
 
 
+def _set_kernel_rows(model, rows: int, layer_rows: int | None = None) -> None:
+    """The model's crossover, and every fp32 projection's (`layer_rows` for the last layer's down
+    projection alone, where given)."""
+    model.f32_kernel_rows = rows
+    for layer in model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            m.f32_kernel_rows = rows
+    if layer_rows is not None:
+        model.layers[-1].mlp.down_proj.f32_kernel_rows = layer_rows
+
+
+@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
+@pytest.mark.parametrize("rows", [8, 19])
+def test_the_c_layers_follow_the_models_crossover_on_either_side(tiny_llama, rows):
+    """At a crossover of 12, 8 decode rows take the C weight kernel and 19 the packed GEMM, in C
+    as in Python (the default crossover, 4, would not tell a C path that ignored it apart)."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    _set_kernel_rows(_model(llm), 12)
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5, 6 + i]} for i in range(rows)]
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                            logprobs=2), prompts)
+    assert fused == python and counts.whole_steps == 3
+
+
+def test_a_projection_with_a_crossover_of_its_own_keeps_the_python_path(tiny_llama):
+    """C is told one crossover, the model's: where a projection has another, the C path could pick
+    another kernel than `linear` for it, so the step runs in Python."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    _set_kernel_rows(_model(llm), 4, layer_rows=3)
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(2)]
+    _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), prompts)
+    assert counts.layers == 0
+    _set_kernel_rows(_model(llm), 4)
+    _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), prompts)
+    assert counts.layers > 0
+
+
 def test_without_packed_weights_steps_above_the_kernels_rows_keep_the_python_path(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
     model = _model(llm)
     for layer in model.layers:
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             m.__dict__.pop("packed_weight", None)
-    model._fused_layers = FusedLayers.of(list(model.layers))
-    assert not model._fused_layers.all_packed
+    assert not FusedLayers.of(list(model.layers)).all_packed
     limit = model.f32_kernel_rows
     prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(limit + 1)]  # limit + 1 decode rows
     _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)

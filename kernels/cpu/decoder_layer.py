@@ -1,12 +1,12 @@
 """The decoder layers of a step of fp32 rows (a few, or any number where the fp32 projections carry
-MKL-packed weights), with fp32 or int8 projections, in two C calls
-each (kernels/cpu/decoder_layer.c): one before the attention (residual add, norm, QKV, rotary,
-cache writes), one after it (output projection, residual add, norm, MLP). The attention itself
-stays the backend's, so a step of any kind (decodes, a speculative step's drafts, small prompt
-chunks) can take this path.
+MKL-packed weights), with fp32 or int8 projections, in two C calls each
+(kernels/cpu/decoder_layer.c): one before the attention (residual add, norm, QKV, rotary, cache
+writes), one after it (output projection, residual add, norm, MLP). The attention itself stays
+the backend's, so a step of any kind (decodes, a speculative step's drafts, prompt chunks) can
+take this path.
 
     layers = FusedLayers.of(list(model.layers))  # None where the layers do not qualify
-    step = layers.step(residual, cos, sin, kv_cache, slot_blocks, slot_offsets)
+    step = layers.step(residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows)
     for i in range(n):
         q, k, v = step.before_attention(i)      # views of the step's buffers
         step.after_attention(i, attention(q, k, v))
@@ -102,7 +102,17 @@ class FusedLayers:
         # model's crossover, or any number where they all have an MKL-packed copy for the rows
         # beyond (LlamaForCausalLM._fusable).
         self.all_int8 = all(getattr(m, "weight_scale", None) is not None for m in self._projections)
-        self.all_packed = table.packed_gemm is not None and all(_mkl_packed(m) is not None for m in self._projections)
+
+    @property
+    def projections(self) -> list:
+        """Every layer's projections (nn.Linear), in layer order."""
+        return self._projections
+
+    @property
+    def all_packed(self) -> bool:
+        """Whether every projection has an MKL-packed weight for the C path to call (read live:
+        a weight may be repacked or unpacked after the layers were judged)."""
+        return self._table.packed_gemm is not None and all(_mkl_packed(m) is not None for m in self._projections)
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:

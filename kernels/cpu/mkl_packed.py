@@ -31,8 +31,10 @@ import torch
 # cblas' enumerations (mkl_cblas.h).
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
 
-# The row count a weight is packed for (see above); any count may then be computed.
+# The row count a weight is packed for (see above); any count may then be computed, up to
+# MAX_ROWS (MKL's LP64 interface takes an int).
 PACK_ROWS = 512
+MAX_ROWS = 2**31 - 1
 
 _I = ctypes.c_int
 _P = ctypes.c_void_p
@@ -87,11 +89,16 @@ class PackedWeight:
     def data_ptr(self) -> int:
         return self.buffer.data_ptr()
 
+    def __reduce__(self):
+        # MKL's packed bytes may not move to another address (its documentation): pack the
+        # weight again instead (copy and deepcopy come here too).
+        raise TypeError("an MKL-packed weight cannot be copied or pickled; pack the plain weight again")
+
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for a 2-d fp32 `x` (any row count), W packed in `packed`."""
-    if x.dim() != 2 or x.shape[1] != packed.k_in or x.dtype != torch.float32:
-        raise ValueError(f"x: [rows, {packed.k_in}] fp32, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != packed.k_in or x.dtype != torch.float32 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"x: [rows <= {MAX_ROWS}, {packed.k_in}] fp32, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     rows = x.shape[0]
     out = torch.empty(rows, packed.n_out, dtype=torch.float32)

@@ -376,9 +376,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
         """Whether this step's layers may run as two C calls each (kernels/cpu/decoder_layer.py):
-        fp32 rows that the C path's projections take as the Python path would (few enough for the
-        C kernels, or any number where every projection has an MKL-packed fp32 weight), an fp32
-        cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
+        fp32 rows that the C path's projections take as the Python path would (`_fused_rows`), an
+        fp32 cache, and a backend that writes K/V to the plain slots (the CPU and torch ones)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or kv_cache.dtype != torch.float32:
             return False
         if self._fused_layers is _UNSET:
@@ -386,14 +385,25 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused_layers
         if fused is None:
             return False
-        if fused.all_int8:
-            rows = GEMV_MAX_ROWS
-        elif fused.all_packed:
-            rows = x.shape[0]
-        else:
-            rows = min(getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS), F32_GEMV_MAX_ROWS)
-        return (x.shape[0] <= rows and kv_cache.is_contiguous()
+        return (x.shape[0] <= self._fused_rows(fused) and kv_cache.is_contiguous()
                 and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
+
+    def _fused_rows(self, fused: FusedLayers) -> int:
+        """The most rows a step may have on the C path and still take, in every projection, the
+        kernel `project` would: int8 projections their C kernel (to GEMV_MAX_ROWS); fp32 ones the
+        C kernel up to the model's crossover (which C is told) and MKL's packed GEMM beyond it,
+        where all have a packed copy, else only up to the crossover. 0 where an fp32 projection's
+        own crossover differs from the model's: the Python path alone then runs."""
+        if fused.all_int8:
+            return GEMV_MAX_ROWS
+        kernel_rows = getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS)
+        for m in fused.projections:
+            fp32 = getattr(m, "weight_scale", None) is None
+            if fp32 and getattr(m, "f32_kernel_rows", F32_KERNEL_ROWS) != kernel_rows:
+                return 0
+        if kernel_rows <= F32_GEMV_MAX_ROWS and fused.all_packed:
+            return mkl_packed.MAX_ROWS
+        return min(kernel_rows, F32_GEMV_MAX_ROWS)
 
     def _fused_forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         """`forward`'s layers, each as C before and after the backend's attention: the same kernels
