@@ -183,7 +183,10 @@ def _apply(model: nn.Module, layers: list[nn.Linear], rows: int) -> int:
 def kept_f32_kernel_rows(model: nn.Module) -> int | None:
     """Set `model`'s crossover where it needs no measurement (the override, a small model, a kept
     answer) and return it; None where it is still to be measured (`tune_f32_kernel_rows`)."""
-    layers = _layers(model)
+    return _kept_rows(model, _layers(model))
+
+
+def _kept_rows(model: nn.Module, layers: list[nn.Linear]) -> int | None:
     override = os.environ.get(OVERRIDE_ENV)
     if override:
         if not override.isdigit() or not _valid(int(override)):
@@ -200,10 +203,10 @@ def tune_f32_kernel_rows(model: nn.Module) -> int:
     back, or measured and kept. Run between steps, on the thread that runs them (its OpenMP team
     is the one sized and pinned), once the weights are where they stay (on huge pages,
     workers/huge_pages.py)."""
-    rows = kept_f32_kernel_rows(model)
+    layers = _layers(model)
+    rows = _kept_rows(model, layers)
     if rows is not None:
         return rows
-    layers = _layers(model)
     key = _key(layers)
     with _cache_locked():
         rows = _read_cache().get(key)  # another process may have measured while this one waited
