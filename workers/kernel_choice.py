@@ -1,8 +1,8 @@
 """Up to how many rows a model's fp32 linear layers run the C weight kernel rather than the GEMM
 on the packed weight (MKL's packed GEMM, or oneDNN's where torch has no MKL: both "oneDNN"
-below, where the figures were taken), measured per machine and set on the model (`f32_kernel_rows` on each
-packed layer and on the model for its LM head, read by `linear` and `lm_head` in
-workers/models/llama.py; F32_KERNEL_ROWS there is the default).
+below, where the figures were taken), measured per machine and set on the model
+(`f32_kernel_rows` on each packed layer and on the model for its LM head, read by `linear` and
+`lm_head` in workers/models/llama.py; F32_KERNEL_ROWS there is the default).
 
 Why measured: the crossover is the CPU's. The C kernel streams each weight once for all of a
 step's rows (kernels/cpu/weight_gemv.c); oneDNN's GEMM wins once there are rows enough to fill its

@@ -397,10 +397,8 @@ class LlamaForCausalLM(nn.Module):
         if fused.all_int8:
             return GEMV_MAX_ROWS
         kernel_rows = getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS)
-        for m in fused.projections:
-            fp32 = getattr(m, "weight_scale", None) is None
-            if fp32 and getattr(m, "f32_kernel_rows", F32_KERNEL_ROWS) != kernel_rows:
-                return 0
+        if any(getattr(m, "f32_kernel_rows", F32_KERNEL_ROWS) != kernel_rows for m in fused.fp32_projections):
+            return 0
         if kernel_rows <= F32_GEMV_MAX_ROWS and fused.all_packed:
             return mkl_packed.MAX_ROWS
         return min(kernel_rows, F32_GEMV_MAX_ROWS)
