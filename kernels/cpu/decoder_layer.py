@@ -105,6 +105,18 @@ class FusedLayers:
         # The fp32 projections, whose crossover the model checks at each step (a weight keeps its
         # kind; a buffer's absence is slow to ask nn.Module about, ~1 us a projection).
         self.fp32_projections = [m for m in self._projections if getattr(m, "weight_scale", None) is None]
+        self._scratch = torch.empty(0, dtype=torch.float32)  # see `scratch`
+
+    def scratch(self, count: int) -> torch.Tensor:
+        """`count` fp32 of a step's buffers, from one kept between steps (grown to the largest step
+        seen): valid until the next step. Allocated per step, a 2,048-row step's 70 MB (SmolLM2) was
+        a fresh mapping (beyond glibc's 32 MiB mmap threshold), and a decode step's 2 MB could be
+        trimmed back to the kernel between steps; every page then faulted again on first write, at
+        up to ~10 us a page on a VM whose host reclaims freed guest memory."""
+        if self._scratch.numel() < count:
+            self._scratch = torch.empty(0, dtype=torch.float32)  # the old buffer freed before the new one
+            self._scratch = torch.empty(count, dtype=torch.float32)
+        return self._scratch[:count]
 
     @property
     def all_packed(self) -> bool:
@@ -192,14 +204,14 @@ class FusedStep:
     contiguous, which become the residual stream in place; `cos`/`sin`: [rows, 1, head_dim]
     contiguous; `kv_cache`: [blocks, layers, 2, block_size, kv_heads, head_dim] contiguous fp32;
     `slot_blocks`/`slot_offsets`: int64 [rows], each row's cache slot; `kernel_rows`: as
-    FusedLayers.step's."""
+    FusedLayers.step's. Its buffers are the FusedLayers' scratch: one step at a time."""
 
     def __init__(self, fused: FusedLayers, residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows):
         rows, f = residual.shape[0], fused
         q_size, kv_size = f.heads * f.head_dim, f.kv_heads * f.head_dim
         widths = dict(normed=f.hidden, qkv=q_size + 2 * kv_size, q=q_size, k=kv_size, o=f.hidden,
                       gate_up=2 * f.inter, act=f.inter, mlp_out=f.hidden, attention=q_size)
-        space = torch.empty(rows * sum(widths.values()), dtype=torch.float32)
+        space = fused.scratch(rows * sum(widths.values()))
         views, start = {}, 0
         for name, width in widths.items():
             views[name] = space[start:start + rows * width].view(rows, width)
