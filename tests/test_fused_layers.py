@@ -122,6 +122,30 @@ def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_fo
     assert counts.whole_steps == 3 and counts.layered >= counts.num_layers  # the decodes, the prompts' chunk
 
 
+
+@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
+def test_steps_share_one_scratch_buffer_and_a_larger_steps_leftovers_change_nothing(tiny_llama):
+    """Every fused step takes its buffers from the FusedLayers' scratch, grown to the largest step
+    and kept (allocated per step, a large step's buffers were a fresh mapping whose every page
+    faulted on first write). Smaller steps after a larger one reuse it as it is, and what the
+    larger step left in it does not reach their results."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    model = _model(llm)
+    big = [{"prompt_token_ids": [3 + i] + [7 + i] * 40} for i in range(6)]  # one prompt step of 246 rows
+    _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), big)
+    assert counts.layered >= counts.num_layers
+    f = model._fused_layers
+    scratch = f._scratch
+    # normed, o, mlp_out; qkv's q, q, attention; qkv's k and v, k; gate_up, act
+    per_row = 3 * f.hidden + 3 * f.heads * f.head_dim + 3 * f.kv_heads * f.head_dim + 3 * f.inter
+    assert scratch.numel() == 246 * per_row
+    with torch.inference_mode():  # the step made it an inference tensor
+        scratch.fill_(float("nan"))  # a leftover that reached any result would show
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.7, seed=5, max_tokens=6, ignore_eos=True,
+                                                            logprobs=2), PROMPTS)
+    assert fused == python and counts.whole_steps >= 5
+    assert model._fused_layers._scratch is scratch  # the smaller steps allocated nothing
+
 def _set_kernel_rows(model, rows: int, layer_rows: int | None = None) -> None:
     """The model's crossover, and every fp32 projection's (`layer_rows` for the last layer's down
     projection alone, where given)."""
