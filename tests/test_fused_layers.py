@@ -122,7 +122,6 @@ def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_fo
     assert counts.whole_steps == 3 and counts.layered >= counts.num_layers  # the decodes, the prompts' chunk
 
 
-
 @pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
 def test_steps_share_one_scratch_buffer_and_a_larger_steps_leftovers_change_nothing(tiny_llama):
     """Every fused step takes its buffers from the FusedLayers' scratch, grown to the largest step
@@ -145,6 +144,7 @@ def test_steps_share_one_scratch_buffer_and_a_larger_steps_leftovers_change_noth
                                                             logprobs=2), PROMPTS)
     assert fused == python and counts.whole_steps >= 5
     assert model._fused_layers._scratch is scratch  # the smaller steps allocated nothing
+
 
 def _set_kernel_rows(model, rows: int, layer_rows: int | None = None) -> None:
     """The model's crossover, and every fp32 projection's (`layer_rows` for the last layer's down

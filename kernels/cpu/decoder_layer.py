@@ -112,7 +112,7 @@ class FusedLayers:
         seen): valid until the next step. Allocated per step, a 2,048-row step's 70 MB (SmolLM2) was
         a fresh mapping (beyond glibc's 32 MiB mmap threshold), and a decode step's 2 MB could be
         trimmed back to the kernel between steps; every page then faulted again on first write, at
-        up to ~10 us a page on a VM whose host reclaims freed guest memory."""
+        up to ~17 us a page on a VM whose host takes back freed guest memory."""
         if self._scratch.numel() < count:
             self._scratch = torch.empty(0, dtype=torch.float32)  # the old buffer freed before the new one
             self._scratch = torch.empty(count, dtype=torch.float32)
