@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu import mkl_packed
-from kernels.cpu.decoder_layer import FusedLayers, FusedStep
+from kernels.cpu.decoder_layer import FusedLayers, FusedStep, _projections
 from pagedserve import LLM, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
@@ -151,7 +151,7 @@ def _set_kernel_rows(model, rows: int, layer_rows: int | None = None) -> None:
     projection alone, where given)."""
     model.f32_kernel_rows = rows
     for layer in model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for m in _projections(layer):
             m.f32_kernel_rows = rows
     if layer_rows is not None:
         model.layers[-1].mlp.down_proj.f32_kernel_rows = layer_rows
@@ -187,7 +187,7 @@ def test_without_packed_weights_steps_above_the_kernels_rows_keep_the_python_pat
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
     model = _model(llm)
     for layer in model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for m in _projections(layer):
             m.__dict__.pop("packed_weight", None)
     assert not FusedLayers.of(list(model.layers)).all_packed
     limit = model.f32_kernel_rows
