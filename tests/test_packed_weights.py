@@ -95,3 +95,32 @@ def test_an_fp32_engine_packs_every_linear_layer_and_keeps_the_plain_weights(tin
         assert llm.stats()["kv_blocks_used"] == 0
     # The 6 prompts' prefill (144 rows) and their 6-row decode steps ran on the packed weights.
     assert 144 in onednn and 6 in onednn
+
+
+def test_row_counts_are_rounded_to_a_few_with_little_padding():
+    rounded = [llama.onednn_rows(rows) for rows in range(1, 4097)]
+    assert rounded[:16] == list(range(1, 17))
+    assert len(set(rounded[:2048])) <= 64
+    for rows, padded in enumerate(rounded, start=1):
+        assert padded >= rows and (padded - rows < 8 if rows < 64 else 8 * (padded - rows) <= rows)
+
+
+@pytest.mark.skipif(not llama._mkldnn_f32(), reason="torch has no oneDNN linear here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_runs_each_row_count_at_its_rounded_count(dtype, monkeypatch):
+    """Its kernels are built per shape: the GEMM sees only rounded row counts, and the padding
+    rows change nothing in the rows asked for."""
+    if dtype == torch.bfloat16 and not llama._mkldnn_bf16():
+        pytest.skip("no native bf16 GEMM on this CPU")
+    seen = _count_calls(monkeypatch, "_onednn_gemm")
+    torch.manual_seed(0)
+    w, bias = torch.randn(80, 96, dtype=dtype), torch.randn(80, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    for rows in (3, 16, 17, 63, 100, 1000):
+        x = torch.randn(rows, 96, dtype=dtype) * 4
+        got = llama.onednn_linear(x, packed, bias)
+        assert seen[-1] == llama.onednn_rows(rows) and got.shape == (rows, 80) and got.is_contiguous()
+        tolerance = 1e-4 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float(), bias.float()),
+                                   rtol=tolerance, atol=tolerance * 10)
+    assert seen == [3, 16, 24, 64, 104, 1024]
