@@ -5,7 +5,9 @@ stdlib modules, tokenized with the model's tokenizer), output lengths are drawn 
 EOS is ignored so every request generates exactly its max_tokens. Both engines are timed on it;
 only each request's own prompt and own max_tokens count as useful tokens. The run also reports
 how much of the KV memory each engine held was wasted, and how close each got to this CPU's
-matmul ceiling.
+matmul ceiling (the linear layers' FLOPs at its matmul rate), alone and with the decode
+attention's K/V reads added at its memory read rate: a decode step reads every running
+sequence's cache, which no FLOP count shows.
 
     .venv/bin/python benchmarks/offline_throughput.py                 # full size (minutes)
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 4 --prompt-len-max 60 \
@@ -163,6 +165,28 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stop
     return best
 
 
+def memory_read_gbps(seconds: float = 1.0) -> tuple[float, Stopwatch]:
+    """Sustained rate at which torch's threads read memory: sums over a 512 MiB buffer, beyond
+    any cache (the fastest pass of `seconds`)."""
+    buffer = torch.ones(512 << 20 >> 2)
+    buffer.sum()  # first touch
+    best = 0.0
+    with Stopwatch() as watch:
+        while time.perf_counter() - watch.start < seconds:
+            start = time.perf_counter()
+            buffer.sum()
+            best = max(best, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best, watch
+
+
+def decode_kv_bytes(requests: list[Request], bytes_per_token_slot: int) -> int:
+    """The K/V bytes the workload's decode steps read at the least: every generated token but the
+    first (which the prompt's last step samples) attends to its prompt and to the tokens generated
+    before it, itself included, reading each one's K and V in every layer once."""
+    return bytes_per_token_slot * sum(sum(range(len(r.prompt_ids) + 1, len(r.prompt_ids) + r.max_tokens))
+                                      for r in requests)
+
+
 def linear_flops_per_token(hf_config) -> tuple[float, float]:
     """FLOPs of the linear layers for a prompt token and for a generated token (which also pays
     the LM head). Attention score FLOPs are left out: small at these lengths."""
@@ -278,13 +302,14 @@ def run_transformers(args, requests: list[Request]) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------------
-def throughput(watch: Stopwatch, prompt: int, generated: int, ceiling_s: float) -> dict:
+def throughput(watch: Stopwatch, prompt: int, generated: int, ceiling_s: float, kv_floor_s: float) -> dict:
     seconds = watch.seconds
     return {"seconds": seconds, "other_cpu_share": watch.other_cpu_share,
             "prompt_tokens": prompt, "generated_tokens": generated,
             "total_tokens_per_s": (prompt + generated) / seconds,
             "generated_tokens_per_s": generated / seconds,
-            "ceiling_fraction": ceiling_s / seconds}
+            "ceiling_fraction": ceiling_s / seconds,
+            "ceiling_with_kv_reads_fraction": (ceiling_s + kv_floor_s) / seconds}
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -311,11 +336,14 @@ def print_report(res: dict) -> None:
              + ("" if res["dtype"] == "float32" else f", {res['matmul_gflops_fp32']:.1f} fp32 (the faster counts)"))
     print(f"CPU ceiling: {rates}, {res['flops']['total'] / 1e12:.2f} TFLOP of linear layers "
           f"-> {res['ceiling_seconds']:.1f} s")
+    print(f"decode attention's K/V reads: {res['kv_read_bytes'] / 1e9:.1f} GB at {res['memory_read_gbps']:.1f} GB/s "
+          f"(memory read rate) -> {res['kv_floor_seconds']:.1f} s more")
     cols = [("pagedserve", ps)] + ([("transformers", hf)] if hf else [])
     print(f"\n{'':24}" + "".join(f"{name:>16}" for name, _ in cols))
     rows = [("seconds", "seconds", "{:.2f}"), ("total tokens/s", "total_tokens_per_s", "{:.1f}"),
             ("generated tokens/s", "generated_tokens_per_s", "{:.1f}"),
             ("of CPU ceiling", "ceiling_fraction", "{:.1%}"),
+            ("  with the K/V reads", "ceiling_with_kv_reads_fraction", "{:.1%}"),
             ("other processes' CPU", "other_cpu_share", "{:.0%}")]
     for label, key, fmt in rows:
         print(f"{label:24}" + "".join(f"{_fmt(fmt, r[key]):>16}" for _, r in cols))
@@ -362,6 +390,7 @@ def main(argv=None) -> None:
     dtype_gflops, matmul_watch = matmul_gflops(TORCH_DTYPES[args.dtype])
     fp32_gflops = dtype_gflops if args.dtype == "float32" else matmul_gflops(torch.float32)[0]
     gflops = max(dtype_gflops, fp32_gflops)
+    read_gbps, _ = memory_read_gbps()
     tokenizer, hf_config = load_tokenizer_and_config()
     requests = make_workload(tokenizer, args)
     prompt, generated = useful_tokens(requests)
@@ -382,11 +411,15 @@ def main(argv=None) -> None:
            "flops": {"per_prompt_token": per_prompt, "per_generated_token": per_generated,
                      "total": total_flops}}
     ps = run_pagedserve(args, requests)
-    res["pagedserve"] = {**throughput(ps["watch"], prompt, generated, ceiling_s),
+    # Both engines keep K/V in the model dtype, so they read the same bytes a cached token.
+    kv_read = decode_kv_bytes(requests, ps["kv"]["bytes_per_token_slot"])
+    kv_floor_s = kv_read / (read_gbps * 1e9)
+    res.update(memory_read_gbps=read_gbps, kv_read_bytes=kv_read, kv_floor_seconds=kv_floor_s)
+    res["pagedserve"] = {**throughput(ps["watch"], prompt, generated, ceiling_s, kv_floor_s),
                          "kv": ps["kv"], "engine": ps["engine"]}
     if not args.skip_baseline:
         hf = run_transformers(args, requests)
-        res["transformers"] = {**throughput(hf["watch"], prompt, generated, ceiling_s),
+        res["transformers"] = {**throughput(hf["watch"], prompt, generated, ceiling_s, kv_floor_s),
                                # same model and dtype, so the same bytes per cached token
                                "kv": hf_kv(requests, args.batch_size, ps["kv"]["bytes_per_token_slot"])}
         res["speedup"] = (res["pagedserve"]["total_tokens_per_s"]
