@@ -81,7 +81,7 @@ def build_app(state: ServerState, model_name: str, registry=None, tool_call_pars
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, e: RequestValidationError):
         state.reject("invalid_argument")
-        return error_response("invalid_argument", *validation_message(e.errors()))
+        return error_response("invalid_argument", *validation_message(e.errors(), request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

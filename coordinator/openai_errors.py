@@ -64,10 +64,17 @@ def _is_tag(part) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, param) for pydantic's first complaint about a body; locs are ("body", field, ...)."""
+def validation_message(errors: list[dict], content_type: str | None = None) -> tuple[str, str | None]:
+    """(message, param) for pydantic's first complaint about a body; locs are ("body", field, ...).
+    `content_type`: the request's header, named where the body was not read as JSON."""
     first = errors[0]
     kind, where = first.get("type"), first.get("loc", ())
+    if tuple(where) == ("body",):  # the body as a whole: absent, or not read as a JSON object
+        if kind == "missing":
+            return "the request has no body: send a JSON object of the request's fields", None
+        if isinstance(first.get("input"), (bytes, str)) and "json" not in (content_type or "").lower():
+            return (f"the body was sent as Content-Type {content_type or '(none)'!r}; send it as JSON with "
+                    "Content-Type: application/json", None)
     loc = [str(part) for part in where[1:] if not _is_tag(part)]
     param = ".".join(loc) or None
     # Every member of a union fails: name them all rather than the first one's complaint.

@@ -180,7 +180,8 @@ class SamplingParams:
         if self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
         if self.best_of > MAX_BEST_OF:
-            raise ValueError(f"best_of (or n) must be <= {MAX_BEST_OF}; got {self.best_of}")
+            name = "n" if self.best_of == self.n else "best_of"  # the one the request set
+            raise ValueError(f"{name} must be <= {MAX_BEST_OF}; got {self.best_of}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy); got {self.temperature}")

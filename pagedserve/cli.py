@@ -35,6 +35,16 @@ def _json_map(text: str) -> dict:
 _TYPES["dict | None"] = _json_map  # speculative_config
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _json_origins(text: str) -> list[str]:
     """vLLM's --allowed-origins: a JSON list of origins ('["*"]'), or one origin as it is."""
     try:
@@ -188,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--timeout", type=float, default=None, help="seconds before the request is abandoned")
+    gen.add_argument("--timeout", type=_positive_float, default=None, help="seconds before the request is abandoned")
     # Optional sampling fields: left unset, the server's SamplingParams defaults apply.
     for flag, kind, help_text in _SAMPLING_FLAGS:
         gen.add_argument(flag, type=kind, default=None, help=help_text)
@@ -287,7 +297,7 @@ def run_generate(args) -> int:
     except ServingError as e:
         print(f"pagedserve: {e.code.name}: {e.details}", file=sys.stderr)
         return 1
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a request the client refuses to build
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import descriptor
 
 from pagedserve.v1 import serving_pb2 as pb
 from pagedserve.v1 import serving_pb2_grpc
@@ -65,6 +66,27 @@ _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_templat
 _STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
 
+# The protobuf integer types' ranges: a value outside its field's range is refused here, by name
+# (protobuf's own error, "Value out of range: -1", names neither the field nor the range).
+_F = descriptor.FieldDescriptor
+_INT_RANGES = {
+    _F.TYPE_INT32: (-2**31, 2**31 - 1), _F.TYPE_SINT32: (-2**31, 2**31 - 1), _F.TYPE_SFIXED32: (-2**31, 2**31 - 1),
+    _F.TYPE_UINT32: (0, 2**32 - 1), _F.TYPE_FIXED32: (0, 2**32 - 1),
+    _F.TYPE_INT64: (-2**63, 2**63 - 1), _F.TYPE_SINT64: (-2**63, 2**63 - 1), _F.TYPE_SFIXED64: (-2**63, 2**63 - 1),
+    _F.TYPE_UINT64: (0, 2**64 - 1), _F.TYPE_FIXED64: (0, 2**64 - 1),
+}
+
+
+def _check_int_ranges(message_type, fields: dict) -> None:
+    """ValueError naming the first integer in `fields` outside its field's range in `message_type`."""
+    for name, value in fields.items():
+        field_type = getattr(message_type.DESCRIPTOR.fields_by_name.get(name), "type", None)
+        if field_type in _INT_RANGES and isinstance(value, int) and not isinstance(value, bool):
+            low, high = _INT_RANGES[field_type]
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}]; got {value}")
+
+
 def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
     """`sampling`: SamplingParams' fields, and one structured output at most: `json_schema` (a dict
     or its JSON text), `regex`, `choice` (a list of strings), `grammar` (Lark) or `json_object=True`."""
@@ -79,6 +101,8 @@ def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateReques
         sampling["json_schema"] = json.dumps(sampling["json_schema"])
     if sampling.get("choice") is not None:
         sampling["choice"] = pb.Choices(choices=list(sampling["choice"]))
+    _check_int_ranges(pb.SamplingParams, sampling)
+    _check_int_ranges(pb.GenerateRequest, extra)
     params = pb.SamplingParams(**sampling)
     is_chat = not isinstance(prompt, str) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
     if chat_options and not is_chat:

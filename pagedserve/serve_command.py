@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -56,7 +57,25 @@ def _connect_ray(address: str | None, num_ranks: int = 1) -> None:
         # Its log monitor starts once the server is up (start_deferred_log_monitor).
         init_local_ray(address="local", namespace=NAMESPACE, include_dashboard=False, num_cpus=cpus)
     else:
+        _check_reachable(address)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+# How long an explicit host:port may take to accept a TCP connection. Ray itself retries an
+# unreachable GCS for minutes, printing a timeout a line at a time.
+REACH_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """ConnectionError unless something accepts TCP at `address` when it is host:port (Ray's GCS);
+    'auto' and URLs (ray://...) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing accepts connections at {address} ({e or 'timed out'})") from None
 
 
 def _connect_or_explain(address: str | None, num_ranks: int = 1) -> bool:

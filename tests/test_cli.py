@@ -4,10 +4,12 @@ test_serve_cli.py)."""
 from __future__ import annotations
 
 import dataclasses
+import socket
+import time
 
 import pytest
 
-from pagedserve import cli
+from pagedserve import cli, serve_command
 from pagedserve.config import BUNDLED_MODEL_ALIAS, EngineConfig
 
 
@@ -51,6 +53,28 @@ def test_client_commands_take_auth_and_tls_flags():
     for command in (["generate", "hi"], ["stats"]):
         args = parser.parse_args(command + ["--api-key", "k", "--tls-ca", "ca.pem", "--target", "h:1"])
         assert (args.api_key, args.tls_ca, args.target) == ("k", "ca.pem", "h:1")
+
+
+def test_out_of_range_numbers_and_an_unreachable_cluster_are_one_line_errors(capsys, monkeypatch):
+    # Refused before any connection is made: nothing listens at the target.
+    for flags, message in ((["--seed", "-1"], "seed must be an integer in [0, 18446744073709551615]; got -1"),
+                           (["--max-tokens", str(2**40)], "max_tokens must be an integer in [-2147483648, 2147483647]"),
+                           (["--priority", str(2**40)], "priority must be an integer in [-2147483648, 2147483647]")):
+        assert cli.main(["generate", "hi", "--target", "127.0.0.1:1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "hi", "--timeout", "-1"])
+    assert "argument --timeout: must be > 0, got -1" in capsys.readouterr().err
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # so that joining leaves this process's environment alone
+    started = time.monotonic()
+    assert cli.main(["stop", "--address", f"127.0.0.1:{port}"]) == 1
+    assert f"nothing accepts connections at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert time.monotonic() - started < serve_command.REACH_TIMEOUT_S  # refused at once, not retried for minutes
 
 
 def test_demo_streams_prompts_and_prints_stats(tiny_llama, capsys):

@@ -222,6 +222,31 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
     assert _stats(server)["requests_rejected_unauthenticated"] >= 2
 
 
+def test_a_body_that_is_absent_or_not_json_and_too_many_chat_samples_say_what_to_send(client, server):
+    def post(data: bytes | None, content_type: str | None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {API_KEY}", **({"Content-Type": content_type} if content_type else {})}
+        request = urllib.request.Request(server.url + "/v1/completions", data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]
+
+    status, error = post(None, "application/json")
+    assert status == 400 and error["message"] == "the request has no body: send a JSON object of the request's fields"
+    body = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 2}).encode()
+    status, error = post(body, "text/plain")
+    assert status == 400 and "'text/plain'" in error["message"] and "Content-Type: application/json" in error["message"]
+    assert post(body, "application/json")[0] == 200  # the same body as JSON is served
+    with pytest.raises(openai.BadRequestError) as info:  # chat has no best_of: the field it names is n
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}], n=100000,
+                                       max_tokens=2)
+    assert info.value.body["param"] == "n" and info.value.body["message"] == "n must be <= 64; got 100000"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt="hi", max_tokens=2, n=2, extra_body={"best_of": 65})
+    assert info.value.body["param"] == "best_of"
+
+
 def test_a_max_tokens_the_context_cannot_hold_is_a_400_naming_the_field_and_the_room(client, server):
     """As vLLM's and OpenAI's servers answer: a prompt plus the max_tokens asked for must fit in
     max_model_len (1024 here). Left unset, the reply may run to max_model_len instead."""
