@@ -165,18 +165,17 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stop
     return best
 
 
-def memory_read_gbps(seconds: float = 1.0) -> tuple[float, Stopwatch]:
-    """Sustained rate at which torch's threads read memory: sums over a 512 MiB buffer, beyond
-    any cache (the fastest pass of `seconds`)."""
+def memory_read_gbps(seconds: float = 1.0) -> float:
+    """Sustained rate at which torch's threads read memory, GB/s: sums over a 512 MiB buffer,
+    beyond any cache (the fastest pass of `seconds`)."""
     buffer = torch.ones(512 << 20 >> 2)
     buffer.sum()  # first touch
-    best = 0.0
-    with Stopwatch() as watch:
-        while time.perf_counter() - watch.start < seconds:
-            start = time.perf_counter()
-            buffer.sum()
-            best = max(best, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return best, watch
+    best, until = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        start = time.perf_counter()
+        buffer.sum()
+        best = max(best, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def decode_kv_bytes(requests: list[Request], bytes_per_token_slot: int) -> int:
@@ -390,7 +389,7 @@ def main(argv=None) -> None:
     dtype_gflops, matmul_watch = matmul_gflops(TORCH_DTYPES[args.dtype])
     fp32_gflops = dtype_gflops if args.dtype == "float32" else matmul_gflops(torch.float32)[0]
     gflops = max(dtype_gflops, fp32_gflops)
-    read_gbps, _ = memory_read_gbps()
+    read_gbps = memory_read_gbps()
     tokenizer, hf_config = load_tokenizer_and_config()
     requests = make_workload(tokenizer, args)
     prompt, generated = useful_tokens(requests)

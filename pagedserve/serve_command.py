@@ -75,7 +75,7 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
     except OSError as e:
-        raise ConnectionError(f"nothing accepts connections at {address} ({e or 'timed out'})") from None
+        raise ConnectionError(f"nothing accepts connections at {address} ({e})") from None
 
 
 def _connect_or_explain(address: str | None, num_ranks: int = 1) -> bool:
