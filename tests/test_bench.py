@@ -167,6 +167,10 @@ def test_bench_openai_backend_drives_completions_and_chat_over_http(doors, tiny_
         assert r["output_len"] == r["max_tokens"] == plain["max_tokens"]
         assert r["prompt_len"] > plain["prompt_len"]  # the chat template's tokens around the text
 
+    root = doors.base_url.removesuffix("/v1")  # a base URL without /v1: every path is a 404
+    assert main(common + ["--target", doors.target, "--backend", "openai", "--base-url", root]) != 0
+    assert f"(the base URL usually ends in /v1: {root}/v1)" in capsys.readouterr().err
+
 
 def test_a_chat_workload_carries_messages_and_their_templated_tokens(tokenizer):
     plain = synthetic(tokenizer, 3, (8, 16), (2, 4), seed=5)

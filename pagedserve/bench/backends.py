@@ -76,7 +76,10 @@ class OpenAIBackend:
         """The served model's id (the first of /v1/models), then one tiny request."""
         async with self._client_session().get(f"{self.base_url}/models") as resp:
             if resp.status != 200:
-                raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {await _message(resp)}")
+                # vLLM's and OpenAI's base URLs end in /v1; without it every path is a 404.
+                hint = (f" (the base URL usually ends in /v1: {self.base_url.rstrip('/')}/v1)"
+                        if resp.status == 404 and not self.base_url.rstrip("/").endswith("/v1") else "")
+                raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {await _message(resp)}{hint}")
             self.model = (await resp.json())["data"][0]["id"]
         result = RequestResult(prompt_len=3, max_tokens=2)
         await self.send(BenchRequest([1, 2, 3], 2, [{"role": "user", "content": "Hi"}]), result, time.perf_counter(),
