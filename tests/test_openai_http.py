@@ -59,13 +59,16 @@ def hf_model(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
-def _request(url: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, bytes]:
-    headers = {"Content-Type": "application/json"}
+def _request(url: str, body: dict | None = None, key: str | None = API_KEY, *, raw: bytes | None = None,
+             content_type: str = "application/json", method: str | None = None) -> tuple[int, bytes]:
+    """`body` as JSON, or `raw` bytes as they are (with `content_type`)."""
+    headers = {"Content-Type": content_type}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
+    data = raw if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60) as resp:
+        with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -223,21 +226,15 @@ def test_each_error_class_is_openais_envelope_and_the_sdks_exception(client, ser
 
 
 def test_a_body_that_is_absent_or_not_json_and_too_many_chat_samples_say_what_to_send(client, server):
-    def post(data: bytes | None, content_type: str | None) -> tuple[int, dict]:
-        headers = {"Authorization": f"Bearer {API_KEY}", **({"Content-Type": content_type} if content_type else {})}
-        request = urllib.request.Request(server.url + "/v1/completions", data=data, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=60) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())["error"]
-
-    status, error = post(None, "application/json")
+    url = server.url + "/v1/completions"
+    status, reply = _request(url, method="POST")
+    error = json.loads(reply)["error"]
     assert status == 400 and error["message"] == "the request has no body: send a JSON object of the request's fields"
     body = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 2}).encode()
-    status, error = post(body, "text/plain")
+    status, reply = _request(url, raw=body, content_type="text/plain")
+    error = json.loads(reply)["error"]
     assert status == 400 and "'text/plain'" in error["message"] and "Content-Type: application/json" in error["message"]
-    assert post(body, "application/json")[0] == 200  # the same body as JSON is served
+    assert _request(url, raw=body)[0] == 200  # the same body as JSON is served
     with pytest.raises(openai.BadRequestError) as info:  # chat has no best_of: the field it names is n
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}], n=100000,
                                        max_tokens=2)

@@ -77,8 +77,9 @@ class OpenAIBackend:
         async with self._client_session().get(f"{self.base_url}/models") as resp:
             if resp.status != 200:
                 # vLLM's and OpenAI's base URLs end in /v1; without it every path is a 404.
-                hint = (f" (the base URL usually ends in /v1: {self.base_url.rstrip('/')}/v1)"
-                        if resp.status == 404 and not self.base_url.rstrip("/").endswith("/v1") else "")
+                root, hint = self.base_url.rstrip("/"), ""
+                if resp.status == 404 and not root.endswith("/v1"):
+                    hint = f" (the base URL usually ends in /v1: {root}/v1)"
                 raise RuntimeError(f"GET {self.base_url}/models: HTTP {resp.status}: {await _message(resp)}{hint}")
             self.model = (await resp.json())["data"][0]["id"]
         result = RequestResult(prompt_len=3, max_tokens=2)

@@ -104,10 +104,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     padded = onednn_rows(rows) if x.dim() == 2 else rows
     if padded == rows:
         return _onednn_gemm(x, packed, bias)
-    full = x.new_empty(padded, x.shape[1])
-    full[:rows].copy_(x)
-    full[rows:].zero_()
-    return _onednn_gemm(full, packed, bias)[:rows]
+    return _onednn_gemm(F.pad(x, (0, 0, 0, padded - rows)), packed, bias)[:rows]
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
