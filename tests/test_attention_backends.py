@@ -169,3 +169,30 @@ def test_cpu_backend_on_a_bf16_cache_gives_the_fp32_result_of_the_same_values(la
     assert got.dtype == torch.bfloat16
     assert torch.equal(bf16_cache.float(), fp32_cache)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_decode_kernel_on_a_bf16_cache_sums_bf16_queries_and_others_to_fp32_precision(head_dim):
+    """A bf16 model's queries are bf16 values: their scores against a bf16 cache take the CPU's
+    bf16 dot products where it has them (each product exact, summed in fp32); any other query
+    widens each key. Both give the float64 result of the same values to fp32's precision, over
+    several blocks and a last one part full."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU decode kernel")
+    gen = torch.Generator().manual_seed(head_dim)
+    blocks, block_size, num_heads, num_kv_heads = 12, 16, 6, 2
+    cache = torch.randn(blocks, 2, block_size, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(3, 4).contiguous()
+    lens = torch.tensor([64, 37, 5], dtype=torch.int32)
+    exact = torch.randn(3, num_heads, head_dim, generator=gen).to(torch.bfloat16).float()
+    for query in (exact, exact + 1e-3 * torch.randn(3, num_heads, head_dim, generator=gen)):
+        out = torch.empty_like(query)
+        cpu.decode_attention(out, query.contiguous(), cache, tables, lens, 0.125)
+        for s in range(3):
+            n = int(lens[s])
+            rows = cache[tables[s].long()].double()  # [4, 2, block, kv_heads, head_dim]
+            k, v = (rows[:, i].reshape(-1, num_kv_heads, head_dim)[:n] for i in (0, 1))
+            k, v = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (k, v))
+            weights = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), k) * 0.125, dim=-1)
+            want = torch.einsum("ht,thd->hd", weights, v)
+            torch.testing.assert_close(out[s].double(), want, rtol=1e-5, atol=1e-5)

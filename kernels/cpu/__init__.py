@@ -4,9 +4,9 @@ with the system C compiler; the rest runs on the torch reference. Also the int8 
 linear layers for a few fp32 rows (`f32_linear`, `int8_linear`, `bf16_linear`) and for a few bf16
 rows on AVX512-BF16 (`bf16_dot_linear`), kernels/cpu/weight_gemv.c; the decoder layer's fp32 and
 bf16 element-wise steps (`add_rms_norm`, `silu_mul`, `rope`, kernels/cpu/elementwise.c), which
-kernels/cpu/decoder_layer.py also strings together into whole layers for fp32 steps; and the
-OpenMP thread pinning of
-`cpu_threads_bind` (`pin_omp_threads`, kernels/cpu/threads.c), built the same way.
+kernels/cpu/decoder_layer.py also strings together into whole layers for fp32 steps (and
+kernels/cpu/decoder_layer_bf16.py between the oneDNN GEMMs of bf16 ones); and the OpenMP thread
+pinning of `cpu_threads_bind` (`pin_omp_threads`, kernels/cpu/threads.c), built the same way.
 
 Why: decode attention is memory-bound, and the torch path reads each sequence's K/V three
 times (gather copy out, copy in, SDPA read). Reading the paged cache in place once measured

@@ -132,26 +132,42 @@ INLINE v16f load16(const void *kv, int64_t i, const int bf16) {
 #endif
 }
 
-/* Part `part` of `parts` of block b's K (or V) lines, asked for into L2 while this block computes:
- * a layer's block is a few KB of the cache, the next one a whole block's layers away, and the
- * hardware's prefetcher stops at each page it has not seen. The next block's K and V go a slice
- * per query head and key during this block's scores, one or two lines at a time between the
- * loads. Asked for all at once and into L1 (the first form), the next block's 24 KB (SmolLM2,
+/* Block b's K and V lines, asked for into L2 while the block before it computes: a layer's block
+ * is a few KB of the cache, the next one a whole block's layers away, and the hardware's
+ * prefetcher stops at each page it has not seen. The lines go a slice per query head and key
+ * during the scores (`prefetch_step`, `parts` calls a block), one or two lines at a time between
+ * the loads. Asked for all at once and into L1 (the first form), the next block's 24 KB (SmolLM2,
  * fp32) evicted the block being read and stalled the loads behind a burst of misses: 30 layers of
  * 64 decodes of 300 tokens (Xeon, 2 threads) 64.0 -> 57.4 ms, 16 of 350 17.8 -> 15.5, 4 of 1,200
  * 14.2 -> 12.6; a bf16 cache 40.2 -> 33.3 (64 x 300). Into L2 in bursts of a part per head (the
- * second form), the kernel still stalled on the prefetches themselves (two thirds of its samples,
- * perf annotate); sliced per key: 64 x 300 46.0-49.1 -> 44.4-44.9 ms, 16 x 350 13.7 -> 12.5,
- * 4 x 1,200 11.4 -> 10.3 (4 KiB pages), a bf16 cache even. */
-INLINE void prefetch_part(const void *kv, const int32_t *table, int64_t b, int64_t len, int64_t offset,
-                          const Shape *sh, const int bf16, int64_t part, int64_t parts) {
-    const int64_t t0 = b * sh->block_size;
-    if (t0 >= len) return;
+ * second form), then sliced per key: 64 x 300 46.0-49.1 -> 44.4-44.9 ms, 16 x 350 13.7 -> 12.5,
+ * 4 x 1,200 11.4 -> 10.3 (4 KiB pages), a bf16 cache even. Each slice's bounds were two int64
+ * divisions a call, which took a third of the kernel's samples (perf annotate): a running
+ * remainder now spreads the lines over the calls alike, with no division (16 decodes of 22-595
+ * tokens, 30 layers, 2 threads: an fp32 cache 8.5-8.7 -> 7.9-8.0 ms, bf16 6.1-6.3 -> 4.4-4.6). */
+typedef struct {
+    const char *k, *v;  /* the block's K and V lines */
+    int64_t lines, parts, done, remainder;
+} Prefetch;
+
+INLINE Prefetch prefetch_start(const void *kv, const int32_t *table, int64_t b, int64_t len, const Shape *sh,
+                               const int bf16, int64_t parts) {
+    Prefetch p = {NULL, NULL, 0, parts, 0, 0};
+    const int64_t t0 = b * sh->block_size, elem = bf16 ? 2 : 4;
+    if (t0 >= len) return p;  /* no block b: nothing to fetch */
     const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
-    const char *p = (const char *)kv + ((int64_t)table[b] * sh->s_block + offset) * (bf16 ? 2 : 4);
-    const int64_t lines = (n * sh->s_tok * (bf16 ? 2 : 4) + 63) / 64;
-    for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i)
-        __builtin_prefetch(p + 64 * i, 0, 1); /* locality 1: L2 (x86's prefetcht2) */
+    p.k = (const char *)kv + (int64_t)table[b] * sh->s_block * elem;
+    p.v = p.k + sh->s_kv * elem;
+    p.lines = (n * sh->s_tok * elem + 63) / 64;
+    return p;
+}
+
+/* Call j of `parts` asks for lines [j * lines / parts, (j + 1) * lines / parts) of K and of V. */
+INLINE void prefetch_step(Prefetch *p) {
+    for (p->remainder += p->lines; p->remainder >= p->parts; p->remainder -= p->parts, ++p->done) {
+        __builtin_prefetch(p->k + 64 * p->done, 0, 1); /* locality 1: L2 (x86's prefetcht2) */
+        __builtin_prefetch(p->v + 64 * p->done, 0, 1);
+    }
 }
 
 /* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head (head
@@ -174,6 +190,21 @@ INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, in
         for (int64_t j = 0; j < D / 16; ++j) storeu16(o + (h0 + r) * D + 16 * j, acc[r][j]);
 }
 
+/* Whether every one of the n floats is a bf16 (its low 16 bits zero), as a bf16 model's queries
+ * are: against a bf16 cache, its scores then take AVX512-BF16's dot products (vdpbf16ps), each
+ * product exact in fp32 as it is in the widened loop, only summed in another order (and
+ * subnormals flushed), where the widened loop widened each K row once per query head: 16 decodes
+ * of 22-595 tokens, 30 layers of SmolLM2, 2 threads, 4.9 -> 4.6 ms. */
+INLINE int bf16_exact(const float *x, int64_t n) {
+    uint32_t low = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        low |= u & 0xffffu;
+    }
+    return low == 0;
+}
+
 /* One pass (the vector path): block by block, the block's scores for every head, then the
  * running softmax (each head's maximum and sum so far; its accumulated output rescaled when the
  * maximum grows), then the block's values. A block's K and V lie next to each other in the
@@ -184,6 +215,7 @@ INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, in
 INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
                        float *scores, const Shape *sh, const int64_t D, const int bf16) {
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
+    const int q_bf16 = bf16 && bf16_exact(q, H * D);
     const int tile = D <= 64 ? 4 : 2; /* accumulators: at most 16 of the 32 vector registers */
     float mx[H], sum[H];
     for (int64_t h = 0; h < H; ++h) mx[h] = -3.0e38f, sum[h] = 0.f; /* finite: see softmax_rows */
@@ -191,22 +223,42 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
         const int64_t block = (int64_t)table[b] * sh->s_block;
         const int64_t n = len - t0 < bs ? len - t0 : bs;
+        Prefetch next = prefetch_start(kv, table, b + 1, len, sh, bf16, H * 16);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t m = n - i0 < 16 ? n - i0 : 16;
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
                 const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
                 for (int64_t r = 0; r < rep; ++r, ++h) {
-                    v16f qv[MAX_D / 16], part[16];
-                    for (int64_t j = 0; j < D / 16; ++j) qv[j] = loadu16(q + h * D + 16 * j);
-                    for (int64_t i = 0; i < 16; ++i) {
-                        if (i0 == 0) { /* the next block's K and V, a slice per head and key */
-                            prefetch_part(kv, table, b + 1, len, 0, sh, bf16, h * 16 + i, H * 16);
-                            prefetch_part(kv, table, b + 1, len, sh->s_kv, sh, bf16, h * 16 + i, H * 16);
+                    v16f part[16];
+#if defined(__AVX512BF16__)
+                    if (bf16 && q_bf16) { /* see bf16_exact */
+                        __m512bh qb[MAX_D / 32];
+                        for (int64_t j = 0; j < D / 32; ++j)
+                            qb[j] = _mm512_cvtne2ps_pbh((__m512)loadu16(q + h * D + 32 * j + 16),
+                                                        (__m512)loadu16(q + h * D + 32 * j));
+                        for (int64_t i = 0; i < 16; ++i) {
+                            if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
+                            __m512 p = _mm512_setzero_ps();
+                            if (i < m) {
+                                const uint16_t *k = (const uint16_t *)kv + k0 + i * sh->s_tok;
+                                for (int64_t j = 0; j < D / 32; ++j)
+                                    p = _mm512_dpbf16_ps(p, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+                            }
+                            part[i] = (v16f)p;
                         }
-                        v16f p = {0};
-                        if (i < m)
-                            for (int64_t j = 0; j < D / 16; ++j) p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
-                        part[i] = p;
+                    } else
+#endif
+                    {
+                        v16f qv[MAX_D / 16];
+                        for (int64_t j = 0; j < D / 16; ++j) qv[j] = loadu16(q + h * D + 16 * j);
+                        for (int64_t i = 0; i < 16; ++i) {
+                            if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
+                            v16f p = {0};
+                            if (i < m)
+                                for (int64_t j = 0; j < D / 16; ++j)
+                                    p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
+                            part[i] = p;
+                        }
                     }
                     const v16f sc = sum16(part) * sh->scale;
                     for (int64_t i = 0; i < m; ++i) scores[h * bs + i0 + i] = sc[i];

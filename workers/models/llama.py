@@ -13,6 +13,7 @@ from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_do
                          int8_linear, rope, silu_mul)
 from kernels.cpu import mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers
+from kernels.cpu.decoder_layer_bf16 import Bf16Layers
 from workers.parallel import TensorParallel
 
 
@@ -383,6 +384,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._fused_layers = _UNSET  # FusedLayers, or None where the layers do not qualify: set on first use
+        self._bf16_layers = _UNSET  # Bf16Layers, likewise
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens (their K/V now in the cache). `meta`:
@@ -393,6 +395,8 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         if self._fusable(x, kv_cache, meta):
             return self._fused_forward(x, cos, sin, kv_cache, meta)
+        if self._bf16_fusable(x, kv_cache, meta):
+            return self._bf16_forward(x, cos, sin, kv_cache, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
@@ -411,6 +415,30 @@ class LlamaForCausalLM(nn.Module):
             return False
         return (x.shape[0] <= self._fused_rows(fused) and kv_cache.is_contiguous()
                 and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
+
+    def _bf16_fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
+        """Whether this step's layers may run with C between their oneDNN GEMMs
+        (kernels/cpu/decoder_layer_bf16.py): bf16 rows and cache on the CPU, every projection
+        oneDNN-packed, and a backend that writes K/V to the plain slots."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or kv_cache.dtype != torch.bfloat16:
+            return False
+        if self._bf16_layers is _UNSET:
+            self._bf16_layers = Bf16Layers.of(list(self.layers))
+        return (self._bf16_layers is not None and kv_cache.is_contiguous()
+                and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
+
+    def _bf16_forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        """`forward`'s layers on the bf16 C path: the same kernels on the same inputs as the Python
+        path, so the same results bit for bit. A step of decode rows alone (the CPU backend's
+        only_decodes) attends in C, on the kernel the backend would call."""
+        slots = getattr(meta, "prefills", meta)
+        layers = self._bf16_layers
+        decode = None
+        if getattr(meta, "only_decodes", False) and layers.decodes_in_c:
+            decode = (meta.decode_block_tables, meta.decode_context_lens)
+        delta = layers.run(x, cos.contiguous(), sin.contiguous(), kv_cache, meta, slots.slot_blocks,
+                           slots.slot_offsets, onednn_linear, decode)
+        return self.norm.add_forward(delta, x)[0]
 
     def _fused_rows(self, fused: FusedLayers) -> int:
         """The most rows a step may have on the C path and still take, in every projection, the

@@ -1,0 +1,181 @@
+"""The decoder layers of a bf16 step whose projections are oneDNN-packed (a CPU that multiplies
+bf16 natively): per layer, the four GEMMs on oneDNN as the Python path calls them, and between
+them one C call each over the step's preallocated buffers (kernels/cpu/decoder_layer_bf16.c:
+residual add and norm; rotary, the K/V's cache writes and, for a step of decode rows, the
+attention; residual add and norm; silu * up). Other steps' attention stays the backend's.
+
+    layers = Bf16Layers.of(list(model.layers))  # None where the layers do not qualify
+    delta = layers.run(residual, cos, sin, kv_cache, meta, slot_blocks, slot_offsets, gemm, decode)
+
+Why: at a decode step's rows the GEMMs read the weights in about 10 ms (SmolLM2, 16 rows, 2 cores),
+and the Python between them (wrappers, views, the K/V's scatter through index_put, the query's
+widening) took about as long again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import cpu
+
+_SOURCE = Path(__file__).with_name("decoder_layer_bf16.c")
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("attend", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("cache", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, _I64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [("eps", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                + [(name, _P) for name in ("residual", "normed", "q", "k", "attention", "act", "query32", "out32",
+                                           "cos_t", "sin_t", "slot_blocks", "slot_offsets")]
+                + [(name, _I64) for name in ("s_block", "s_kv", "s_tok")]
+                + [("block_tables", _P), ("context_lens", _P), ("max_blocks", _I64), ("block_size", _I64),
+                   ("scale", ctypes.c_float)])
+
+
+# The element-wise kernels in _Kernels' order, with the argtypes their Python wrappers give them.
+_ELEMENTWISE = (
+    ("add_rms_norm", (_P, _P, _I64, _I64, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int)),
+    ("rope", (_P, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int)),
+    ("silu_mul", (_P, _P, _I64, _I64, _I64, _I64, ctypes.c_int)),
+)
+
+
+def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
+    """The library and the table of the kernels it calls (the decode attention's entry NULL where
+    that kernel did not build: the backend then attends); None where the rest did not build."""
+    lib = cpu._library(_SOURCE, "bf16_input_norm", (_P,) * 4)
+    elementwise = [cpu._elementwise(name, argtypes, torch.empty(1, dtype=torch.bfloat16))
+                   for name, argtypes in _ELEMENTWISE]
+    if lib is None or None in elementwise:
+        return None
+    for name in ("bf16_post_attention_norm", "bf16_attention"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = None, [_P] * 4
+    lib.bf16_silu_mul.restype, lib.bf16_silu_mul.argtypes = None, [_P] * 3
+    attention = cpu.load()
+    attend = None if attention is None else ctypes.cast(attention.paged_decode_attention_f32, _P)
+    return lib, _Kernels(*(ctypes.cast(fn, _P) for fn in elementwise), attend)
+
+
+def _projections(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+class Bf16Layers:
+    """The C path over a model's bf16 decoder layers (LlamaDecoderLayer's modules, one rank)."""
+
+    def __init__(self, layers, lib: ctypes.CDLL, table: _Kernels):
+        self.layers = layers
+        self._lib = lib
+        self._table = table
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
+        self.eps = layers[0].input_layernorm.eps
+        self.scale = attn.scale
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self._scratch32 = torch.empty(0, dtype=torch.float32)
+
+    @property
+    def decodes_in_c(self) -> bool:
+        """Whether a step of decode rows attends here (the decode kernel built)."""
+        return self._table.attend is not None
+
+    @classmethod
+    def of(cls, layers) -> Bf16Layers | None:
+        """The path for these layers, or None where one does not qualify: every projection bf16
+        with a oneDNN-packed weight and no plain one (so the Python path, too, runs every row count
+        on oneDNN's GEMM: `linear`), bf16 norms, one rank, on the CPU."""
+        if not layers or layers[0].self_attn.tp.size != 1:
+            return None
+        for layer in layers:
+            for m in _projections(layer):
+                packed = getattr(m, "packed_weight", None)
+                if (not isinstance(packed, torch.Tensor) or packed.device.type != "cpu"
+                        or m.weight.dtype != torch.bfloat16 or not m.weight.is_meta
+                        or getattr(m, "weight_scale", None) is not None):
+                    return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for t in norms):
+                return None
+        functions = _functions()
+        return None if functions is None else cls(layers, *functions)
+
+    def _buffers(self, rows: int) -> tuple[dict, dict]:
+        """The step's bf16 and fp32 buffers, views of scratch kept between steps (grown to the
+        largest step): valid until the next step."""
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        widths = dict(normed=self.hidden, q=q_size, k=kv_size, attention=q_size, act=self.inter)
+        widths32 = dict(query32=q_size, out32=q_size)
+        views = []
+        for name, (widths_of, dtype) in (("bf16", (widths, torch.bfloat16)), ("f32", (widths32, torch.float32))):
+            attr = "_scratch" if dtype == torch.bfloat16 else "_scratch32"
+            count = rows * sum(widths_of.values())
+            if getattr(self, attr).numel() < count:
+                setattr(self, attr, torch.empty(0, dtype=dtype))  # the old buffer freed before the new one
+                setattr(self, attr, torch.empty(count, dtype=dtype))
+            space, start, named = getattr(self, attr), 0, {}
+            for key, width in widths_of.items():
+                named[key] = space[start:start + rows * width].view(rows, width)
+                start += rows * width
+            views.append(named)
+        return views[0], views[1]
+
+    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta,
+            slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, gemm, decode: tuple | None) -> torch.Tensor:
+        """Every layer; returns the last one's output (for the final norm with `residual`, which
+        is the residual stream, updated in place). `residual` [rows, hidden], `cos`/`sin` [rows, 1,
+        head_dim], contiguous bf16; `kv_cache` [blocks, layers, 2, block_size, kv_heads, head_dim]
+        contiguous bf16; `slot_blocks`/`slot_offsets` int64 [rows]; `gemm(x, packed, bias)` the
+        Python path's GEMM; `decode` (block_tables, context_lens) int32 contiguous for a step of
+        decode rows, attended here, else None: the backend's attention (`meta.backend`)."""
+        rows = residual.shape[0]
+        bufs, bufs32 = self._buffers(rows)
+        q = bufs["q"].view(rows, self.heads, self.head_dim)
+        k = bufs["k"].view(rows, self.kv_heads, self.head_dim)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        tables, lens = decode if decode is not None else (None, None)
+        layer_bytes = kv_cache.stride(1) * kv_cache.element_size()
+        step = _Step(rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.eps,
+                     torch.get_num_threads(), residual.data_ptr(),
+                     *(bufs[n].data_ptr() for n in ("normed", "q", "k", "attention", "act")),
+                     *(bufs32[n].data_ptr() for n in ("query32", "out32")),
+                     cos.data_ptr(), sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+                     kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+                     None if tables is None else tables.data_ptr(), None if lens is None else lens.data_ptr(),
+                     0 if tables is None else tables.shape[1], kv_cache.shape[3], self.scale)
+        table, step_ref = ctypes.byref(self._table), ctypes.byref(step)
+        lib, normed, attention_buf, act = self._lib, bufs["normed"], bufs["attention"], bufs["act"]
+        input_norm, post_norm, attend, silu = (lib.bf16_input_norm, lib.bf16_post_attention_norm, lib.bf16_attention,
+                                               lib.bf16_silu_mul)
+        attention_fn = meta.backend.paged_attention
+        delta = None
+        for i, layer in enumerate(self.layers):
+            qkv_proj, o_proj, gate_up_proj, down_proj = _projections(layer)
+            here = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                          kv_cache.data_ptr() + i * layer_bytes)
+            layer_ref = ctypes.byref(here)
+            input_norm(table, layer_ref, step_ref, None if delta is None else delta.data_ptr())
+            qkv = gemm(normed, qkv_proj.packed_weight, qkv_proj.bias)
+            attend(table, layer_ref, step_ref, qkv.data_ptr())
+            if tables is None:
+                v = qkv[:, q_size + kv_size:].view(rows, self.kv_heads, self.head_dim)
+                attention = attention_fn(q, k, v, kv_cache[:, i], meta, layer.self_attn.scale).view(rows, q_size)
+            else:
+                attention = attention_buf
+            o = gemm(attention, o_proj.packed_weight, o_proj.bias)
+            post_norm(table, layer_ref, step_ref, o.data_ptr())
+            gate_up = gemm(normed, gate_up_proj.packed_weight, gate_up_proj.bias)
+            silu(table, step_ref, gate_up.data_ptr())
+            delta = gemm(act, down_proj.packed_weight, down_proj.bias)
+        return delta

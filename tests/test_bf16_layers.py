@@ -1,0 +1,95 @@
+"""bf16 decoder layers with C between their oneDNN GEMMs (kernels/cpu/decoder_layer_bf16.c):
+taken where every projection is oneDNN-packed, bit for bit the Python path's results (decode
+steps attending in C, other steps through the backend), and left alone where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu.decoder_layer_bf16 import Bf16Layers
+from pagedserve import LLM, SamplingParams
+from workers.models import llama
+
+pytestmark = pytest.mark.skipif(llama.WIDEN_BF16 or not llama._mkldnn_bf16(),
+                                reason="bf16 layers are packed for oneDNN only where the CPU multiplies bf16")
+
+PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
+
+
+def _model(llm):
+    return llm.engine.executor.worker.model
+
+
+def _runs(llm, params: SamplingParams, prompts) -> tuple[list, list]:
+    """Each prompt's tokens and logprobs, and for every step on the C path whether its
+    attention ran in C (a step of decode rows) or in the backend."""
+    steps = []
+    run = Bf16Layers.run
+
+    def counting(self, *args):
+        steps.append("c" if args[-1] is not None else "backend")
+        return run(self, *args)
+
+    Bf16Layers.run = counting
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        Bf16Layers.run = run
+    return [[(c.token_ids, [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs or []])
+             for c in o.outputs] for o in outs], steps
+
+
+def _both_paths(llm, params: SamplingParams, prompts) -> tuple[list, list, list]:
+    """The C path's results, the Python path's (the bf16 layers switched off), and the C path's steps."""
+    model = _model(llm)
+    fused, steps = _runs(llm, params, prompts)
+    kept, model._bf16_layers = model._bf16_layers, None
+    try:
+        python, python_steps = _runs(llm, params, prompts)
+    finally:
+        model._bf16_layers = kept
+    assert python_steps == []
+    return fused, python, steps
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: a QKV bias
+def test_bf16_steps_run_in_c_between_the_gemms_and_match_the_python_path_bit_for_bit(request, fixture):
+    llm = LLM(request.getfixturevalue(fixture), dtype="bfloat16", kv_cache_memory=1 << 24,
+              enable_prefix_caching=False)
+    with torch.no_grad():  # a random model's biases start at zero: a bias the C path dropped would not show
+        for layer in _model(llm).layers:
+            if layer.self_attn.qkv_proj.bias is not None:
+                layer.self_attn.qkv_proj.bias.normal_(0.0, 0.5)
+    params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
+    fused, python, steps = _both_paths(llm, params, PROMPTS[:2])
+    assert fused == python
+    assert steps.count("backend") == 1 and steps.count("c") >= 10  # the prompts' step, then the decodes
+
+
+def test_a_step_of_prompts_beside_decodes_attends_in_the_backend_and_stays_exact(tiny_llama):
+    """A long prompt chunked beside running decodes: steps of mixed rows, whose attention the
+    backend runs between the C calls, and more than 16 rows, which oneDNN's GEMM takes padded."""
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24, enable_prefix_caching=False,
+              max_num_batched_tokens=40)
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5, 7 + i]} for i in range(20)]
+    prompts.append({"prompt_token_ids": [(13 * i) % 200 + 3 for i in range(90)]})
+    fused, python, steps = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                           logprobs=2), prompts)
+    assert fused == python
+    assert steps.count("backend") >= 3 and steps.count("c") >= 5
+
+
+def test_the_bf16_path_is_taken_only_where_every_projection_is_packed_bf16(tiny_llama):
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24)
+    layers = list(_model(llm).layers)
+    assert Bf16Layers.of(layers) is not None
+    projection = layers[1].mlp.down_proj
+    packed = projection.packed_weight
+    try:
+        del projection.packed_weight  # one layer's projection on another path
+        assert Bf16Layers.of(layers) is None
+    finally:
+        projection.packed_weight = packed
+    fp32 = LLM(tiny_llama, kv_cache_memory=1 << 24)
+    assert Bf16Layers.of(list(_model(fp32).layers)) is None
