@@ -1,7 +1,7 @@
 /* The parts of a bf16 decoder layer between its GEMMs, one C call each over the step's buffers
- * (kernels/cpu/decoder_layer_bf16.py strings them together with the GEMMs). The GEMMs stay
- * oneDNN's on its packed weights, called from Python: torch exports no C entry point to them,
- * and MKL's bf16 GEMM, which it does export, was slower at every row count above one.
+ * (kernels/cpu/decoder_layer_bf16.py strings them together with the GEMMs, which it calls as
+ * the Python path does: the AMX kernel up to its rows, oneDNN's GEMM beyond, to which torch
+ * exports no C entry point).
  *
  * The calls are the kernels the Python path runs (elementwise.c's *_bf16 forms, the decode
  * attention), on the same inputs in the same layouts, so the results are bit for bit its own;

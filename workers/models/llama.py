@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear,
                          int8_linear, rope, silu_mul)
-from kernels.cpu import mkl_packed
+from kernels.cpu import amx_gemm, mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers
 from kernels.cpu.decoder_layer_bf16 import Bf16Layers
 from workers.parallel import TensorParallel
@@ -128,8 +128,10 @@ def pack_weights(model: LlamaForCausalLM) -> int:
     """Pack every CPU linear layer's weight once for its GEMM (`_pack`: `packed_weight`; the LM
     head's is the model's `packed_lm_head`), for `linear`: fp32 layers (keeping the plain weight
     for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
-    where the plain weight gives way to a meta tensor (held once); an LM head tied to the
-    embeddings keeps it, as the embeddings. int8 layers are left as they are. Returns the
+    where the plain weight gives way to a meta tensor; an LM head tied to the embeddings keeps
+    it, as the embeddings. Where that CPU has AMX, a bf16 weight is also packed for the AMX kernel
+    (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS rows: bf16
+    weights are then held twice, as fp32 ones are. int8 layers are left as they are. Returns the
     weights packed."""
     bf16 = not WIDEN_BF16 and _mkldnn_bf16()
 
@@ -139,15 +141,21 @@ def pack_weights(model: LlamaForCausalLM) -> int:
         return (weight.dtype == torch.bfloat16 and bf16) or (weight.dtype == torch.float32 and PACK_F32)
 
     head = model.lm_head_weight()
+    amx = bf16 and amx_gemm.available()
     done = 0
     with torch.no_grad():
         if packable(head):
             model.packed_lm_head = _pack(head)
+            if amx and head.dtype == torch.bfloat16:
+                model.register_buffer("amx_lm_head", amx_gemm.pack(head), persistent=False)
             done += 1
         for module in model.modules():
             if isinstance(module, nn.Linear) and packable(module.weight):
                 if module.weight is not head:
                     module.packed_weight = _pack(module.weight)
+                    if amx and module.weight.dtype == torch.bfloat16:
+                        # A buffer: workers/huge_pages.py moves it with the rest.
+                        module.register_buffer("amx_weight", amx_gemm.pack(module.weight), persistent=False)
                     done += 1
                 if module.weight.dtype == torch.bfloat16:
                     module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
@@ -156,14 +164,18 @@ def pack_weights(model: LlamaForCausalLM) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           kernel_rows: int = F32_KERNEL_ROWS) -> torch.Tensor:
+           kernel_rows: int = F32_KERNEL_ROWS, amx: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias): `scale`, an int8 weight's per-channel scales; `packed`, the weight
     packed for its GEMM (`pack_weights`; a bf16 `weight` is then a meta tensor unless it is kept
-    for another use); `kernel_rows`, up to how many fp32 rows the C kernel beats the packed GEMM."""
+    for another use); `kernel_rows`, up to how many fp32 rows the C kernel beats the packed GEMM;
+    `amx`, a bf16 weight packed for the AMX kernel (kernels/cpu/amx_gemm.py)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
-            # Native bf16: a few rows on the C kernel's bf16 dot products where the plain weight is
-            # at hand, else oneDNN's GEMM (on the packed weight where there is one).
+            # Native bf16: up to its MAX_ROWS rows the AMX kernel where the CPU has AMX; else a
+            # few rows on the C kernel's bf16 dot products where the plain weight is at hand, and
+            # oneDNN's GEMM (on the packed weight where there is one).
+            if amx is not None and x.shape[0] <= amx_gemm.MAX_ROWS and x.dim() == 2:
+                return amx_gemm.linear(x, amx, weight.shape[0], bias)
             out = None
             if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS and not weight.is_meta:
                 out = bf16_dot_linear(x, weight)
@@ -205,16 +217,16 @@ LM_HEAD_CHUNK = 2048
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
-            kernel_rows: int = F32_KERNEL_ROWS) -> torch.Tensor:
-    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`, `kernel_rows`:
-    as `linear`)."""
+            kernel_rows: int = F32_KERNEL_ROWS, amx: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T for the rows that sample, `[n, vocab rows]` contiguous (`packed`, `kernel_rows`,
+    `amx`: as `linear`)."""
     if packed is not None and x.shape[0] > kernel_rows and x.dtype == torch.float32:
         return packed_linear(x, packed)
     out = f32_linear(x, weight)  # up to 16 fp32 rows: the C kernel (1 row: 4 against 11 ms)
     if out is not None:
         return out
     if x.shape[0] > SKINNY_TOKENS or weight.dtype != x.dtype or weight.dtype == torch.bfloat16:
-        return linear(x, weight, packed=packed).contiguous()
+        return linear(x, weight, packed=packed, amx=amx).contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     xt = x.t()
     for start in range(0, weight.shape[0], LM_HEAD_CHUNK):
@@ -226,7 +238,8 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None =
 def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer` applied to x: dense, int8 rows with their scales once quantized, or bf16 packed."""
     return linear(x, layer.weight, layer.bias, getattr(layer, "weight_scale", None),
-                  getattr(layer, "packed_weight", None), getattr(layer, "f32_kernel_rows", F32_KERNEL_ROWS))
+                  getattr(layer, "packed_weight", None), getattr(layer, "f32_kernel_rows", F32_KERNEL_ROWS),
+                  layer._buffers.get("amx_weight"))
 
 
 class RMSNorm(nn.Module):
@@ -437,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
         if getattr(meta, "only_decodes", False) and layers.decodes_in_c:
             decode = (meta.decode_block_tables, meta.decode_context_lens)
         delta = layers.run(x, cos.contiguous(), sin.contiguous(), kv_cache, meta, slots.slot_blocks,
-                           slots.slot_offsets, onednn_linear, decode)
+                           slots.slot_offsets, project, decode)
         return self.norm.add_forward(delta, x)[0]
 
     def _fused_rows(self, fused: FusedLayers) -> int:
@@ -483,7 +496,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits `[n, vocab]` on rank 0; None on the other ranks."""
         logits = self.tp.gather_to_first(lm_head(hidden, self.lm_head_weight(), getattr(self, "packed_lm_head", None),
-                                                 getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS)))
+                                                 getattr(self, "f32_kernel_rows", F32_KERNEL_ROWS),
+                                                 self._buffers.get("amx_lm_head")))
         if logits is None:
             return None
         return logits[:, :self.config.vocab_size].float().contiguous()

@@ -1,0 +1,62 @@
+"""The AMX bf16 GEMM (kernels/cpu/amx_gemm.c): the float64 product rounded once to bf16, over
+shapes that pad their channels and K, row counts across its 16- and 32-row blocks, with a bias;
+and bf16 layers routed to it up to MAX_ROWS rows, to oneDNN's GEMM beyond."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import amx_gemm
+from pagedserve import LLM
+from workers.models import llama
+
+pytestmark = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX tile unit (or the kernel did not build)")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, amx_gemm.MAX_ROWS, 300])
+@pytest.mark.parametrize("n, k", [(48, 64), (40, 70), (100, 576), (17, 33)])
+def test_the_kernel_gives_the_exact_product_rounded_once_to_bf16(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    packed = amx_gemm.pack(w)
+    assert packed.shape == (-(-n // 16) * 16, -(-k // 32) * 32)
+    for b in (None, bias):
+        got = amx_gemm.linear(x, packed, n, b)
+        exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        # fp32 sums of exact products, rounded once: within one bf16 step of the exact value.
+        step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        assert bool(((got.double() - exact).abs() <= step + 1e-4 * k).all())
+
+
+def test_bad_shapes_and_dtypes_are_refused_with_the_field_named():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        amx_gemm.pack(w.float())
+    packed = amx_gemm.pack(w)
+    with pytest.raises(ValueError, match="x:"):
+        amx_gemm.linear(torch.randn(3, 64), packed, 32)
+    with pytest.raises(ValueError, match="x:"):
+        amx_gemm.linear(torch.randn(3, 96).to(torch.bfloat16), packed, 32)
+    with pytest.raises(ValueError, match="bias"):
+        amx_gemm.linear(torch.randn(3, 64).to(torch.bfloat16), packed, 32, torch.randn(31).to(torch.bfloat16))
+
+
+def test_packed_bf16_layers_take_the_kernel_up_to_its_rows_and_onednn_beyond(tiny_llama, monkeypatch):
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24)
+    model = llm.engine.executor.worker.model
+    projection = model.layers[0].mlp.gate_up_proj
+    assert projection.amx_weight.dtype == torch.bfloat16 and projection.weight.is_meta
+    assert model.amx_lm_head is not None
+    calls = []
+    kernel = amx_gemm.linear
+    monkeypatch.setattr(amx_gemm, "linear", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    for rows in (1, amx_gemm.MAX_ROWS, amx_gemm.MAX_ROWS + 1):
+        x = torch.randn(rows, projection.in_features).to(torch.bfloat16)
+        got = llama.project(x, projection)
+        want = llama.onednn_linear(x, projection.packed_weight)
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -6)
+    assert calls == [1, amx_gemm.MAX_ROWS]
