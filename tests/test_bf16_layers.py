@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu import amx_gemm
 from kernels.cpu.decoder_layer_bf16 import Bf16Layers
 from pagedserve import LLM, SamplingParams
 from workers.models import llama
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.skipif(llama.WIDEN_BF16 or not llama._mkldnn_bf16(),
                                 reason="bf16 layers are packed for oneDNN only where the CPU multiplies bf16")
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
+DECODE = "whole" if amx_gemm.available() else "c"  # how a step of decode rows runs here
 
 
 def _model(llm):
@@ -22,13 +24,15 @@ def _model(llm):
 
 
 def _runs(llm, params: SamplingParams, prompts) -> tuple[list, list]:
-    """Each prompt's tokens and logprobs, and for every step on the C path whether its
-    attention ran in C (a step of decode rows) or in the backend."""
+    """Each prompt's tokens and logprobs, and for every step on the C path how it ran: whole in
+    one C call (a step of decode rows on the AMX kernel), layer by layer attending in C (decode
+    rows), or layer by layer around the backend's attention."""
     steps = []
     run = Bf16Layers.run
 
     def counting(self, *args):
-        steps.append("c" if args[-1] is not None else "backend")
+        decode, rows = args[-1], args[0].shape[0]
+        steps.append("backend" if decode is None else "whole" if self._whole_step(rows) else "c")
         return run(self, *args)
 
     Bf16Layers.run = counting
@@ -64,7 +68,8 @@ def test_bf16_steps_run_in_c_between_the_gemms_and_match_the_python_path_bit_for
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, python, steps = _both_paths(llm, params, PROMPTS[:2])
     assert fused == python
-    assert steps.count("backend") == 1 and steps.count("c") >= 10  # the prompts' step, then the decodes
+    # The prompts' step, then the decodes: whole steps in C where the CPU has AMX.
+    assert steps.count("backend") == 1 and steps.count(DECODE) >= 10
 
 
 def test_a_step_of_prompts_beside_decodes_attends_in_the_backend_and_stays_exact(tiny_llama):
@@ -77,7 +82,7 @@ def test_a_step_of_prompts_beside_decodes_attends_in_the_backend_and_stays_exact
     fused, python, steps = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                                                            logprobs=2), prompts)
     assert fused == python
-    assert steps.count("backend") >= 3 and steps.count("c") >= 5
+    assert steps.count("backend") >= 3 and steps.count(DECODE) >= 5
 
 
 def test_the_bf16_path_is_taken_only_where_every_projection_is_packed_bf16(tiny_llama):
@@ -93,3 +98,20 @@ def test_the_bf16_path_is_taken_only_where_every_projection_is_packed_bf16(tiny_
         projection.packed_weight = packed
     fp32 = LLM(tiny_llama, kv_cache_memory=1 << 24)
     assert Bf16Layers.of(list(_model(fp32).layers)) is None
+
+
+def test_decode_steps_run_layer_by_layer_where_a_projection_lacks_its_amx_weight(tiny_llama):
+    """Without every projection on the AMX kernel, a step of decode rows still attends in C,
+    layer by layer around the Python path's GEMMs, and stays exact."""
+    if not amx_gemm.available():
+        pytest.skip("no AMX: every decode step runs layer by layer")
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    projection = _model(llm).layers[0].self_attn.o_proj
+    kept = projection._buffers.pop("amx_weight")
+    try:
+        fused, python, steps = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                               logprobs=2), PROMPTS)
+    finally:
+        projection._buffers["amx_weight"] = kept
+    assert fused == python
+    assert "whole" not in steps and steps.count("c") == 5

@@ -45,6 +45,12 @@ def available() -> bool:
     return _library() is not None
 
 
+def address() -> int | None:
+    """The kernel's entry point, for C callers (kernels/cpu/decoder_layer_bf16.c); None without AMX."""
+    lib = _library()
+    return None if lib is None else ctypes.cast(lib.amx_linear_bf16, _P).value
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [n, k] bf16 in the kernel's tiles: [n padded to 16, k padded to 32] bf16."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":

@@ -24,16 +24,24 @@ typedef void (*decode_attention_fn)(float *out, const float *query, const void *
                                     int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, float scale,
                                     int num_threads, int kv_bf16);
 
+/* amx_gemm.c's entry point: out [m, n] = x [m, k] times a weight packed for it, plus bias. */
+typedef void (*gemm_fn)(uint16_t *out, const uint16_t *x, const uint16_t *packed, const uint16_t *bias, int64_t m,
+                        int64_t n, int64_t k, int num_threads);
+
 struct kernels {
     norm_fn add_rms_norm;
     rope_fn rope;
     silu_fn silu_mul;
     decode_attention_fn attend;  /* NULL where that kernel did not build */
+    gemm_fn gemm;                /* NULL where there is no AMX */
 };
 
 struct layer {
     const uint16_t *input_norm, *post_norm;
     uint16_t *cache;  /* this layer's [blocks, 2, block_size, kv_heads, head_dim] slice of the KV cache */
+    /* The projections packed for `gemm` and their biases (NULL: none), for bf16_decode_step. */
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 };
 
 /* The step's shapes and buffers, shared by every layer (each layer overwrites them). */
@@ -46,6 +54,7 @@ struct step {
     uint16_t *q, *k;      /* [rows, heads | kv_heads, head_dim]: rotated */
     uint16_t *attention;  /* [rows, heads, head_dim]: the decode attention's result, rounded */
     uint16_t *act;        /* [rows, inter] */
+    uint16_t *qkv, *o, *gate_up, *mlp_out;  /* the projections' results, for bf16_decode_step */
     float *query32, *out32;                     /* [rows, heads, head_dim]: the decode attention's own */
     const uint16_t *cos_t, *sin_t;              /* [rows, head_dim] */
     const int64_t *slot_blocks, *slot_offsets;  /* [rows]: where each row's K/V goes */
@@ -103,4 +112,24 @@ void bf16_attention(const struct kernels *kn, const struct layer *l, const struc
 /* silu(gate) * up of the gate/up projection ([rows, 2 inter], contiguous) into act. */
 void bf16_silu_mul(const struct kernels *kn, const struct step *s, const uint16_t *gate_up) {
     kn->silu_mul(s->act, gate_up, 2 * s->inter, 1, s->rows, s->inter, s->num_threads);
+}
+
+/* A step of decode rows whose every projection takes the AMX kernel: every layer in one call, as
+ * the calls above and the Python path's GEMMs would run it, into mlp_out. What the layers'
+ * Python loop cost between the calls goes too. */
+void bf16_decode_step(const struct kernels *kn, const struct layer *layers, int64_t num_layers,
+                      const struct step *s) {
+    const int64_t rows = s->rows, q_size = s->heads * s->head_dim;
+    const int64_t width = q_size + 2 * s->kv_heads * s->head_dim;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const struct layer *l = layers + i;
+        bf16_input_norm(kn, l, s, i ? s->mlp_out : NULL);
+        kn->gemm(s->qkv, s->normed, l->qkv, l->qkv_bias, rows, width, s->hidden, s->num_threads);
+        bf16_attention(kn, l, s, s->qkv);
+        kn->gemm(s->o, s->attention, l->o, l->o_bias, rows, s->hidden, q_size, s->num_threads);
+        bf16_post_attention_norm(kn, l, s, s->o);
+        kn->gemm(s->gate_up, s->normed, l->gate_up, l->gate_up_bias, rows, 2 * s->inter, s->hidden, s->num_threads);
+        bf16_silu_mul(kn, s, s->gate_up);
+        kn->gemm(s->mlp_out, s->act, l->down, l->down_bias, rows, s->hidden, s->inter, s->num_threads);
+    }
 }

@@ -22,24 +22,30 @@ from pathlib import Path
 import torch
 
 from kernels import cpu
+from kernels.cpu import amx_gemm
 
 _SOURCE = Path(__file__).with_name("decoder_layer_bf16.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("attend", _P)]
+    _fields_ = [("add_rms_norm", _P), ("rope", _P), ("silu_mul", _P), ("attend", _P), ("gemm", _P)]
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("cache", _P)]
+    _fields_ = ([("input_norm", _P), ("post_norm", _P), ("cache", _P)] + [(name, _P) for name in _PROJECTIONS]
+                + [(name + "_bias", _P) for name in _PROJECTIONS])
 
 
 class _Step(ctypes.Structure):
     _fields_ = ([(name, _I64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [("eps", ctypes.c_float), ("num_threads", ctypes.c_int)]
-                + [(name, _P) for name in ("residual", "normed", "q", "k", "attention", "act", "query32", "out32",
-                                           "cos_t", "sin_t", "slot_blocks", "slot_offsets")]
+                + [(name, _P) for name in ("residual", "normed", "q", "k", "attention", "act", "qkv", "o", "gate_up",
+                                           "mlp_out", "query32", "out32", "cos_t", "sin_t", "slot_blocks",
+                                           "slot_offsets")]
                 + [(name, _I64) for name in ("s_block", "s_kv", "s_tok")]
                 + [("block_tables", _P), ("context_lens", _P), ("max_blocks", _I64), ("block_size", _I64),
                    ("scale", ctypes.c_float)])
@@ -64,9 +70,10 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
     for name in ("bf16_post_attention_norm", "bf16_attention"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = None, [_P] * 4
     lib.bf16_silu_mul.restype, lib.bf16_silu_mul.argtypes = None, [_P] * 3
+    lib.bf16_decode_step.restype, lib.bf16_decode_step.argtypes = None, [_P, _P, _I64, _P]
     attention = cpu.load()
     attend = None if attention is None else ctypes.cast(attention.paged_decode_attention_f32, _P)
-    return lib, _Kernels(*(ctypes.cast(fn, _P) for fn in elementwise), attend)
+    return lib, _Kernels(*(ctypes.cast(fn, _P) for fn in elementwise), attend, amx_gemm.address())
 
 
 def _projections(layer) -> tuple:
@@ -87,6 +94,8 @@ class Bf16Layers:
         self.scale = attn.scale
         self._scratch = torch.empty(0, dtype=torch.bfloat16)
         self._scratch32 = torch.empty(0, dtype=torch.float32)
+        self._addresses: tuple = ()
+        self._structs = None  # one C array of _Layer, for whole decode steps
 
     @property
     def decodes_in_c(self) -> bool:
@@ -113,11 +122,35 @@ class Bf16Layers:
         functions = _functions()
         return None if functions is None else cls(layers, *functions)
 
+    def _whole_step(self, rows: int) -> bool:
+        """Whether a step of `rows` decode rows runs whole in C: every projection then takes the
+        AMX kernel in the Python path too (`linear`), which C can call."""
+        return (rows <= amx_gemm.MAX_ROWS and self._table.gemm is not None
+                and all(m._buffers.get("amx_weight") is not None for layer in self.layers for m in _projections(layer)))
+
+    def _layer_structs(self, kv_cache: torch.Tensor) -> ctypes.Array:
+        """Each layer's pointers, rebuilt only when an address has changed since the last step
+        (workers/huge_pages.py re-points the weights between steps)."""
+        tensors = [t for layer in self.layers for t in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            *(m._buffers["amx_weight"] for m in _projections(layer)), *(m.bias for m in _projections(layer)))]
+        addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
+                     *(None if t is None else t.data_ptr() for t in tensors))
+        if addresses != self._addresses:
+            base, layer_bytes, per = addresses[0], addresses[1], len(tensors) // len(self.layers)
+            layers = (addresses[2 + i * per:2 + (i + 1) * per] for i in range(len(self.layers)))
+            self._structs = (_Layer * len(self.layers))(*(
+                _Layer(norm, post_norm, base + i * layer_bytes, *projections)
+                for i, (norm, post_norm, *projections) in enumerate(layers)))
+            self._addresses = addresses
+        return self._structs
+
     def _buffers(self, rows: int) -> tuple[dict, dict]:
         """The step's bf16 and fp32 buffers, views of scratch kept between steps (grown to the
         largest step): valid until the next step."""
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        widths = dict(normed=self.hidden, q=q_size, k=kv_size, attention=q_size, act=self.inter)
+        widths = dict(normed=self.hidden, q=q_size, k=kv_size, attention=q_size, act=self.inter,
+                      qkv=q_size + 2 * kv_size, o=self.hidden, gate_up=2 * self.inter, mlp_out=self.hidden)
         widths32 = dict(query32=q_size, out32=q_size)
         views = []
         for name, (widths_of, dtype) in (("bf16", (widths, torch.bfloat16)), ("f32", (widths32, torch.float32))):
@@ -150,7 +183,8 @@ class Bf16Layers:
         layer_bytes = kv_cache.stride(1) * kv_cache.element_size()
         step = _Step(rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.eps,
                      torch.get_num_threads(), residual.data_ptr(),
-                     *(bufs[n].data_ptr() for n in ("normed", "q", "k", "attention", "act")),
+                     *(bufs[n].data_ptr() for n in ("normed", "q", "k", "attention", "act", "qkv", "o", "gate_up",
+                                                    "mlp_out")),
                      *(bufs32[n].data_ptr() for n in ("query32", "out32")),
                      cos.data_ptr(), sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
                      kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
@@ -160,6 +194,9 @@ class Bf16Layers:
         lib, normed, attention_buf, act = self._lib, bufs["normed"], bufs["attention"], bufs["act"]
         input_norm, post_norm, attend, silu = (lib.bf16_input_norm, lib.bf16_post_attention_norm, lib.bf16_attention,
                                                lib.bf16_silu_mul)
+        if tables is not None and self._whole_step(rows):
+            lib.bf16_decode_step(table, self._layer_structs(kv_cache), len(self.layers), step_ref)
+            return bufs["mlp_out"]
         attention_fn = meta.backend.paged_attention
         delta = None
         for i, layer in enumerate(self.layers):
