@@ -115,3 +115,19 @@ def test_decode_steps_run_layer_by_layer_where_a_projection_lacks_its_amx_weight
         projection._buffers["amx_weight"] = kept
     assert fused == python
     assert "whole" not in steps and steps.count("c") == 5
+
+
+def test_speculative_verify_steps_run_on_the_c_path_and_stay_exact(tiny_llama):
+    """A verify step's rows (a sequence's token and its drafts) are decode rows to the kernel, each
+    with its own context length: they run as decode steps here, and rejected drafts' K/V are
+    overwritten as on the Python path."""
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    # Drafts come where a generated token repeats one before it: this random model's bf16 greedy
+    # run does within 96 tokens.
+    repeating = [{"prompt_token_ids": [7, 8, 9, 10] * 6}]
+    fused, python, steps = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True,
+                                                           logprobs=1), repeating)
+    assert fused == python and steps.count(DECODE) > 0
+    assert llm.stats().get("spec_draft_tokens_total", 0) > 0
