@@ -60,3 +60,22 @@ def test_packed_bf16_layers_take_the_kernel_up_to_its_rows_and_onednn_beyond(tin
         want = llama.onednn_linear(x, projection.packed_weight)
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -6)
     assert calls == [1, amx_gemm.MAX_ROWS]
+
+
+def test_the_gemm_benchmark_times_both_kernels_on_the_models_projections(tmp_path, capsys):
+    """benchmarks/bf16_gemm.py: SmolLM2's four fused projections per layer, both GEMMs timed at
+    each row count asked for, written to its JSON."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks import bf16_gemm
+
+    config = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    assert bf16_gemm.projection_shapes(config) == [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    out = tmp_path / "gemm.json"
+    bf16_gemm.main(["--rows", "1", "3", "--repeats", "1", "--result-json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["results"]] == [1, 3]
+    assert all(r["amx_s"] > 0 and r["onednn_s"] > 0 for r in result["results"])
+    assert result["weight_bytes"] == 30 * 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
+    assert "oneDNN/AMX" in capsys.readouterr().out
