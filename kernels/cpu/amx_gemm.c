@@ -14,8 +14,12 @@
  * of ROW_CHUNK that stay in L2 while every channel block of a thread passes over them.
  *
  * Why: oneDNN's GEMM on its own packed weight, which torch calls, read SmolLM2's bf16 layers at
- * about half this CPU's memory rate at a decode step's rows (16 rows: ~10 ms for 212 MB), and it
- * has no C entry point the bf16 layers' C could call. */
+ * about half this CPU's memory rate at a decode step's rows (16 rows: ~11 ms for 212 MB, this
+ * kernel 8), and it has no C entry point the bf16 layers' C could call. For many rows oneDNN's
+ * stays faster (2,048 rows: 138 against 173 ms): keeping a pair's weight tiles in L1 across row
+ * blocks (218 ms), copying the rows into contiguous tiles first (186) or prefetching the next
+ * row tiles into L1 (197) did not close the gap, so pagedserve calls this kernel up to
+ * kernels/cpu/amx_gemm.py's MAX_ROWS rows only. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -430,9 +430,9 @@ class LlamaForCausalLM(nn.Module):
                 and type(meta.backend).__name__ in _SLOT_WRITING_BACKENDS)
 
     def _bf16_fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
-        """Whether this step's layers may run with C between their oneDNN GEMMs
+        """Whether this step's layers may run with C between their GEMMs
         (kernels/cpu/decoder_layer_bf16.py): bf16 rows and cache on the CPU, every projection
-        oneDNN-packed, and a backend that writes K/V to the plain slots."""
+        packed (`Bf16Layers.of`), and a backend that writes K/V to the plain slots."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or kv_cache.dtype != torch.bfloat16:
             return False
         if self._bf16_layers is _UNSET:
