@@ -90,12 +90,14 @@ def test_the_bf16_path_is_taken_only_where_every_projection_is_packed_bf16(tiny_
     layers = list(_model(llm).layers)
     assert Bf16Layers.of(layers) is not None
     projection = layers[1].mlp.down_proj
-    packed = projection.packed_weight
+    packed, amx = projection.packed_weight, projection._buffers.pop("amx_weight", None)
     try:
         del projection.packed_weight  # one layer's projection on another path
         assert Bf16Layers.of(layers) is None
     finally:
         projection.packed_weight = packed
+        if amx is not None:
+            projection._buffers["amx_weight"] = amx
     fp32 = LLM(tiny_llama, kv_cache_memory=1 << 24)
     assert Bf16Layers.of(list(_model(fp32).layers)) is None
 
@@ -131,3 +133,27 @@ def test_speculative_verify_steps_run_on_the_c_path_and_stay_exact(tiny_llama):
                                                            logprobs=1), repeating)
     assert fused == python and steps.count(DECODE) > 0
     assert llm.stats().get("spec_draft_tokens_total", 0) > 0
+
+
+def test_where_two_copies_would_not_fit_the_amx_kernel_alone_takes_every_step(tiny_llama, monkeypatch):
+    """Where a bf16 model's weights packed twice would take over a quarter of the memory
+    available, only the AMX kernel's copy is kept: it takes steps of any row count (here a
+    prompt chunk of 200 rows, beyond MAX_ROWS), every decode step runs whole in C, and the C path
+    is still the Python path's bits."""
+    if not amx_gemm.available():
+        pytest.skip("no AMX: oneDNN's copy is the only one")
+    monkeypatch.setattr(llama, "available_memory", lambda: 1 << 20)
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    model = _model(llm)
+    assert all(getattr(m, "packed_weight", None) is None and m.amx_weight is not None
+               for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    assert getattr(model, "packed_lm_head", None) is None and model.amx_lm_head is not None
+    calls = []
+    kernel = amx_gemm.linear
+    monkeypatch.setattr(amx_gemm, "linear", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(200)]} for i in range(2)]
+    fused, python, steps = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                           logprobs=2), prompts)
+    assert fused == python
+    assert max(calls) > amx_gemm.MAX_ROWS  # the prompts' rows went through the AMX kernel
+    assert steps.count("whole") == 5 and steps.count("backend") >= 1

@@ -105,15 +105,17 @@ class Bf16Layers:
 
     @classmethod
     def of(cls, layers) -> Bf16Layers | None:
-        """The path for these layers, or None where one does not qualify: every projection bf16
-        with a oneDNN-packed weight and no plain one (so that the Python path, too, runs every row
-        count on a packed GEMM: `linear`), bf16 norms, one rank, on the CPU."""
+        """The path for these layers, or None where one does not qualify: every projection bf16,
+        packed (oneDNN's copy, the AMX kernel's, or both) with no plain weight (so that the Python
+        path, too, runs every row count on a packed GEMM: `linear`), bf16 norms, one rank, on the
+        CPU."""
         if not layers or layers[0].self_attn.tp.size != 1:
             return None
         for layer in layers:
             for m in _projections(layer):
                 packed = getattr(m, "packed_weight", None)
-                if (not isinstance(packed, torch.Tensor) or packed.device.type != "cpu"
+                onednn = isinstance(packed, torch.Tensor) and packed.device.type == "cpu"
+                if (not (onednn or m._buffers.get("amx_weight") is not None)
                         or m.weight.dtype != torch.bfloat16 or not m.weight.is_meta
                         or getattr(m, "weight_scale", None) is not None):
                     return None
@@ -125,9 +127,12 @@ class Bf16Layers:
 
     def _whole_step(self, rows: int) -> bool:
         """Whether a step of `rows` decode rows runs whole in C: every projection then takes the
-        AMX kernel in the Python path too (`linear`), which C can call."""
-        return (rows <= amx_gemm.MAX_ROWS and self._table.gemm is not None
-                and all(m._buffers.get("amx_weight") is not None for layer in self.layers for m in _projections(layer)))
+        AMX kernel in the Python path too (`linear`: up to its MAX_ROWS rows, or any number where
+        it has no oneDNN copy), which C can call."""
+        return self._table.gemm is not None and all(
+            m._buffers.get("amx_weight") is not None
+            and (rows <= amx_gemm.MAX_ROWS or getattr(m, "packed_weight", None) is None)
+            for layer in self.layers for m in _projections(layer))
 
     def _layer_structs(self, kv_cache: torch.Tensor) -> ctypes.Array:
         """Each layer's pointers, rebuilt only when an address has changed since the last step

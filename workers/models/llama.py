@@ -14,6 +14,7 @@ from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_do
 from kernels.cpu import amx_gemm, mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers
 from kernels.cpu.decoder_layer_bf16 import Bf16Layers
+from workers.kv_cache import available_memory
 from workers.parallel import TensorParallel
 
 
@@ -130,9 +131,10 @@ def pack_weights(model: LlamaForCausalLM) -> int:
     for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
     where the plain weight gives way to a meta tensor; an LM head tied to the embeddings keeps
     it, as the embeddings. Where that CPU has AMX, a bf16 weight is also packed for the AMX kernel
-    (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS rows: bf16
-    weights are then held twice, as fp32 ones are. int8 layers are left as they are. Returns the
-    weights packed."""
+    (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS rows, oneDNN's
+    copy the larger ones: bf16 weights are then held twice, as fp32 ones are, while both copies
+    fit in a quarter of the memory available (`_second_copy_fits`); beyond, the AMX kernel alone
+    takes every row count. int8 layers are left as they are. Returns the weights packed."""
     bf16 = not WIDEN_BF16 and _mkldnn_bf16()
 
     def packable(weight: torch.Tensor) -> bool:
@@ -142,24 +144,35 @@ def pack_weights(model: LlamaForCausalLM) -> int:
 
     head = model.lm_head_weight()
     amx = bf16 and amx_gemm.available()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and packable(m.weight)]
+    onednn_too = not amx or _second_copy_fits([head, *(m.weight for m in linears if m.weight is not head)])
     done = 0
     with torch.no_grad():
         if packable(head):
-            model.packed_lm_head = _pack(head)
+            if onednn_too or head.dtype != torch.bfloat16:
+                model.packed_lm_head = _pack(head)
             if amx and head.dtype == torch.bfloat16:
                 model.register_buffer("amx_lm_head", amx_gemm.pack(head), persistent=False)
             done += 1
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and packable(module.weight):
-                if module.weight is not head:
+        for module in linears:
+            if module.weight is not head:
+                if onednn_too or module.weight.dtype != torch.bfloat16:
                     module.packed_weight = _pack(module.weight)
-                    if amx and module.weight.dtype == torch.bfloat16:
-                        # A buffer: workers/huge_pages.py moves it with the rest.
-                        module.register_buffer("amx_weight", amx_gemm.pack(module.weight), persistent=False)
-                    done += 1
-                if module.weight.dtype == torch.bfloat16:
-                    module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+                if amx and module.weight.dtype == torch.bfloat16:
+                    # A buffer: workers/huge_pages.py moves it with the rest.
+                    module.register_buffer("amx_weight", amx_gemm.pack(module.weight), persistent=False)
+                done += 1
+            if module.weight.dtype == torch.bfloat16:
+                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
     return done
+
+
+def _second_copy_fits(weights: list[torch.Tensor]) -> bool:
+    """Whether a bf16 model's weights packed twice (the AMX kernel's copy and oneDNN's) fit in a
+    quarter of the memory available now (True where /proc does not say)."""
+    available = available_memory()
+    nbytes = sum(w.numel() * w.element_size() for w in weights if w.dtype == torch.bfloat16)
+    return available is None or 2 * nbytes <= available // 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -171,10 +184,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `amx`, a bf16 weight packed for the AMX kernel (kernels/cpu/amx_gemm.py)."""
     if weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         if not WIDEN_BF16:
-            # Native bf16: up to its MAX_ROWS rows the AMX kernel where the CPU has AMX; else a
-            # few rows on the C kernel's bf16 dot products where the plain weight is at hand, and
-            # oneDNN's GEMM (on the packed weight where there is one).
-            if amx is not None and x.shape[0] <= amx_gemm.MAX_ROWS and x.dim() == 2:
+            # Native bf16: the AMX kernel where the CPU has AMX, up to its MAX_ROWS rows where
+            # oneDNN's packed copy is kept too (every row count where not); else a few rows on the
+            # C kernel's bf16 dot products where the plain weight is at hand, and oneDNN's GEMM (on
+            # the packed weight where there is one).
+            if amx is not None and x.dim() == 2 and (x.shape[0] <= amx_gemm.MAX_ROWS or packed is None):
                 return amx_gemm.linear(x, amx, weight.shape[0], bias)
             out = None
             if x.shape[0] <= NATIVE_BF16_KERNEL_ROWS and not weight.is_meta:
