@@ -1,6 +1,7 @@
-"""bf16 decoder layers with C between their oneDNN GEMMs (kernels/cpu/decoder_layer_bf16.c):
-taken where every projection is oneDNN-packed, bit for bit the Python path's results (decode
-steps attending in C, other steps through the backend), and left alone where they do not apply."""
+"""bf16 decoder layers with C between their GEMMs (kernels/cpu/decoder_layer_bf16.c), and whole
+decode steps in one C call where the CPU has AMX: taken where every projection is packed, bit for
+bit the Python path's results (decode steps attending in C, other steps through the backend), and
+left alone where they do not apply."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from workers.models import llama
 
 pytestmark = pytest.mark.skipif(llama.WIDEN_BF16 or not llama._mkldnn_bf16(),
-                                reason="bf16 layers are packed for oneDNN only where the CPU multiplies bf16")
+                                reason="bf16 layers are packed only where the CPU multiplies bf16")
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
 DECODE = "whole" if amx_gemm.available() else "c"  # how a step of decode rows runs here
