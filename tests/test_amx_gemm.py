@@ -79,3 +79,11 @@ def test_the_gemm_benchmark_times_both_kernels_on_the_models_projections(tmp_pat
     assert all(r["amx_s"] > 0 and r["onednn_s"] > 0 for r in result["results"])
     assert result["weight_bytes"] == 30 * 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
     assert "oneDNN/AMX" in capsys.readouterr().out
+
+
+def test_a_weight_that_is_not_contiguous_packs_as_its_contiguous_copy():
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    transposed = w.t()  # [96, 40], not contiguous
+    torch.testing.assert_close(amx_gemm.linear(x, amx_gemm.pack(transposed), 96),
+                               amx_gemm.linear(x, amx_gemm.pack(transposed.contiguous()), 96), rtol=0, atol=0)

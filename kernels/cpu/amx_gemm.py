@@ -1,7 +1,9 @@
-"""bf16 GEMM on Intel AMX's tiles for up to MAX_ROWS rows (kernels/cpu/amx_gemm.c), on a weight
-packed once into the tiles the kernel loads (`pack`: a plain bf16 tensor [n padded to 16, k
-padded to 32], which a module may hold as a buffer). `available()` is False where the CPU, the
-compiler or the kernel refuse the tile unit.
+"""bf16 GEMM on Intel AMX's tiles (kernels/cpu/amx_gemm.c), on a weight packed once into the tiles
+the kernel loads (`pack`: a plain bf16 tensor [n padded to 16, k padded to 32], which a module may
+hold as a buffer). pagedserve's bf16 layers take it for steps of up to MAX_ROWS rows where
+oneDNN's packed copy of the weight is kept too, and for every step where it is not
+(workers/models/llama.py's `pack_weights`). `available()` is False where the CPU, the compiler or
+the kernel refuse the tile unit.
 
 Why: at a decode step's rows a GEMM reads its weight once, and oneDNN's, on its own packed
 weight, read it at about half the memory rate. SmolLM2's 30 layers of projections, 2 threads,
@@ -56,8 +58,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"weight: a 2-d bf16 CPU tensor, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
+    weight = weight.detach().contiguous()  # held while C reads it
     out = torch.empty(-(-n // 16) * 16, -(-k // 32) * 32, dtype=torch.bfloat16)
-    _library().amx_pack_bf16(out.data_ptr(), weight.detach().contiguous().data_ptr(), n, k)
+    _library().amx_pack_bf16(out.data_ptr(), weight.data_ptr(), n, k)
     return out
 
 
