@@ -88,10 +88,7 @@ class FusedLayers:
         self._lib = lib
         self._table = table
         self._decode_attention = decode_attention
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
-        self.eps = layers[0].input_layernorm.eps
+        self.heads, self.kv_heads, self.head_dim, self.hidden, self.inter, self.eps = layer_shape(layers[0])
         # _Layer's weights of every layer (Parameters: their storage may be re-pointed), and the
         # projections whose `weight_scale` buffers are read at each step (a move replaces a buffer).
         self._tensors = [t for layer in layers for t in _layer_tensors(layer)[:len(_WEIGHTS)]]
@@ -186,6 +183,23 @@ def _mkl_packed(projection) -> mkl_packed.PackedWeight | None:
     return packed if isinstance(packed, mkl_packed.PackedWeight) else None
 
 
+def layer_shape(layer) -> tuple[int, int, int, int, int, float]:
+    """A LlamaDecoderLayer's heads, KV heads, head size, hidden and intermediate sizes, and norm
+    epsilon: the shapes a C step over it is told."""
+    attn = layer.self_attn
+    return (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.o_proj.weight.shape[0],
+            layer.mlp.intermediate_size, layer.input_layernorm.eps)
+
+
+def row_views(space: torch.Tensor, rows: int, widths: dict[str, int]) -> dict[str, torch.Tensor]:
+    """`space` cut into one [rows, width] view per name, one after another (a step's buffers)."""
+    views, start = {}, 0
+    for name, width in widths.items():
+        views[name] = space[start:start + rows * width].view(rows, width)
+        start += rows * width
+    return views
+
+
 def _projections(layer) -> tuple:
     """A layer's projections, in _SCALES' order."""
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
@@ -212,10 +226,7 @@ class FusedStep:
         widths = dict(normed=f.hidden, qkv=q_size + 2 * kv_size, q=q_size, k=kv_size, o=f.hidden,
                       gate_up=2 * f.inter, act=f.inter, mlp_out=f.hidden, attention=q_size)
         space = fused.scratch(rows * sum(widths.values()))
-        views, start = {}, 0
-        for name, width in widths.items():
-            views[name] = space[start:start + rows * width].view(rows, width)
-            start += rows * width
+        views = row_views(space, rows, widths)
         self._keep = (residual, cos, sin, slot_blocks, slot_offsets, space)  # alive while C reads them
         qkv = views["qkv"]
         self.q = views["q"].view(rows, f.heads, f.head_dim)

@@ -24,6 +24,7 @@ import torch
 
 from kernels import cpu
 from kernels.cpu import amx_gemm
+from kernels.cpu.decoder_layer import _ELEMENTWISE, _projections, layer_shape, row_views
 
 _SOURCE = Path(__file__).with_name("decoder_layer_bf16.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -52,17 +53,10 @@ class _Step(ctypes.Structure):
                    ("scale", ctypes.c_float)])
 
 
-# The element-wise kernels in _Kernels' order, with the argtypes their Python wrappers give them.
-_ELEMENTWISE = (
-    ("add_rms_norm", (_P, _P, _I64, _I64, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int)),
-    ("rope", (_P, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int)),
-    ("silu_mul", (_P, _P, _I64, _I64, _I64, _I64, ctypes.c_int)),
-)
-
-
 def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
-    """The library and the table of the kernels it calls (the decode attention's entry NULL where
-    that kernel did not build: the backend then attends); None where the rest did not build."""
+    """The library and the table of the kernels it calls (the element-wise ones in _Kernels' order,
+    as the fp32 layers' table has them; the decode attention's entry NULL where that kernel did not
+    build: the backend then attends); None where the rest did not build."""
     lib = cpu._library(_SOURCE, "bf16_input_norm", (_P,) * 4)
     elementwise = [cpu._elementwise(name, argtypes, torch.empty(1, dtype=torch.bfloat16))
                    for name, argtypes in _ELEMENTWISE]
@@ -77,10 +71,6 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels] | None:
     return lib, _Kernels(*(ctypes.cast(fn, _P) for fn in elementwise), attend, amx_gemm.address())
 
 
-def _projections(layer) -> tuple:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
 class Bf16Layers:
     """The C path over a model's bf16 decoder layers (LlamaDecoderLayer's modules, one rank)."""
 
@@ -88,13 +78,10 @@ class Bf16Layers:
         self.layers = layers
         self._lib = lib
         self._table = table
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden, self.inter = attn.o_proj.weight.shape[0], mlp.intermediate_size
-        self.eps = layers[0].input_layernorm.eps
-        self.scale = attn.scale
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)
-        self._scratch32 = torch.empty(0, dtype=torch.float32)
+        self.heads, self.kv_heads, self.head_dim, self.hidden, self.inter, self.eps = layer_shape(layers[0])
+        self.scale = layers[0].self_attn.scale
+        # The step's buffers, bf16 and fp32, kept between steps (grown to the largest step).
+        self._scratch = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
         self._addresses: tuple = ()
         self._structs = None  # one C array of _Layer, for whole decode steps
 
@@ -152,25 +139,21 @@ class Bf16Layers:
         return self._structs
 
     def _buffers(self, rows: int) -> tuple[dict, dict]:
-        """The step's bf16 and fp32 buffers, views of scratch kept between steps (grown to the
-        largest step): valid until the next step."""
+        """The step's bf16 and fp32 buffers, views of scratch kept between steps: valid until the
+        next step."""
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         widths = dict(normed=self.hidden, q=q_size, k=kv_size, attention=q_size, act=self.inter,
                       qkv=q_size + 2 * kv_size, o=self.hidden, gate_up=2 * self.inter, mlp_out=self.hidden)
         widths32 = dict(query32=q_size, out32=q_size)
-        views = []
-        for name, (widths_of, dtype) in (("bf16", (widths, torch.bfloat16)), ("f32", (widths32, torch.float32))):
-            attr = "_scratch" if dtype == torch.bfloat16 else "_scratch32"
-            count = rows * sum(widths_of.values())
-            if getattr(self, attr).numel() < count:
-                setattr(self, attr, torch.empty(0, dtype=dtype))  # the old buffer freed before the new one
-                setattr(self, attr, torch.empty(count, dtype=dtype))
-            space, start, named = getattr(self, attr), 0, {}
-            for key, width in widths_of.items():
-                named[key] = space[start:start + rows * width].view(rows, width)
-                start += rows * width
-            views.append(named)
-        return views[0], views[1]
+        return (row_views(self._space(torch.bfloat16, rows * sum(widths.values())), rows, widths),
+                row_views(self._space(torch.float32, rows * sum(widths32.values())), rows, widths32))
+
+    def _space(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """`count` elements of the `dtype` scratch, grown where it is smaller."""
+        if self._scratch[dtype].numel() < count:
+            self._scratch[dtype] = torch.empty(0, dtype=dtype)  # the old buffer freed before the new one
+            self._scratch[dtype] = torch.empty(count, dtype=dtype)
+        return self._scratch[dtype][:count]
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta,
             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, gemm, decode: tuple | None) -> torch.Tensor:
