@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decode_attention_fn.h"
+
 typedef void (*gemv_fn)(float *out, const float *x, const float *w, int64_t rows, int64_t n_out,
                         int64_t k_in, int num_threads);
 typedef void (*gemv_int8_fn)(float *out, const float *x, const int8_t *w, const float *scale, int64_t rows,
@@ -121,14 +123,6 @@ void decoder_post_attention_f32(const struct kernels *kn, const struct layer *l,
     kn->silu_mul(s->act, s->gate_up, 2 * s->inter, 1, rows, s->inter, s->num_threads);
     project(kn, s, s->mlp_out, s->act, l->down, l->down_scale, l->down_packed, s->hidden, s->inter);
 }
-
-/* paged_decode_attention.c's entry point (its argument list, as kernels/cpu/__init__.py's
- * decode_attention passes it). */
-typedef void (*decode_attention_fn)(float *out, const float *query, const void *kv, const int32_t *block_tables,
-                                    const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
-                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                    int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, float scale,
-                                    int num_threads, int kv_bf16);
 
 /* A step whose every row is one sequence's next token (a decode, or a token of a small draft
  * chunk, each with its own context length): every layer in one call, the attention on the decode

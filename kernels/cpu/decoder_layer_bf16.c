@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decode_attention_fn.h"
+
 typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, int64_t d_row, int64_t d_col, const uint16_t *w,
                         uint16_t *out, int64_t rows, int64_t dim, float eps, int num_threads);
 typedef void (*rope_fn)(uint16_t *out, const uint16_t *x, int64_t x_row, int64_t x_head, int64_t x_col,
@@ -17,12 +19,6 @@ typedef void (*rope_fn)(uint16_t *out, const uint16_t *x, int64_t x_row, int64_t
                         int num_threads);
 typedef void (*silu_fn)(uint16_t *out, const uint16_t *gate_up, int64_t g_row, int64_t g_col, int64_t rows,
                         int64_t inter, int num_threads);
-/* paged_decode_attention.c's entry point, as kernels/cpu/__init__.py's decode_attention calls it. */
-typedef void (*decode_attention_fn)(float *out, const float *query, const void *kv, const int32_t *block_tables,
-                                    const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
-                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                    int64_t s_block, int64_t s_kv, int64_t s_tok, int64_t s_head, float scale,
-                                    int num_threads, int kv_bf16);
 
 /* amx_gemm.c's entry point: out [m, n] = x [m, k] times a weight packed for it, plus bias. */
 typedef void (*gemm_fn)(uint16_t *out, const uint16_t *x, const uint16_t *packed, const uint16_t *bias, int64_t m,
