@@ -60,6 +60,64 @@ def test_the_rule_takes_the_rows_the_kernel_wins_by_the_margin_up_to_its_first_m
     assert kernel_choice.choose_rows({5: (1.0, 1.0 / (1 - kernel_choice.MARGIN) - 1e-3)}, DEFAULT) == DEFAULT
 
 
+def test_the_gemm_rule_keeps_the_default_unless_another_wins_by_the_margin():
+    assert kernel_choice.choose_gemm({"mkl": 1.0, "onednn": 0.8}, "mkl") == "onednn"
+    assert kernel_choice.choose_gemm({"mkl": 0.8, "onednn": 1.0}, "mkl") == "mkl"
+    assert kernel_choice.choose_gemm({"mkl": 1.0, "onednn": 1.0 - kernel_choice.MARGIN / 2}, "mkl") == "mkl"
+    assert kernel_choice.choose_gemm({"mkl": 1.0, "onednn": 0.8}, "onednn") == "onednn"
+    assert kernel_choice.choose_gemm({}, "mkl") == "mkl"  # nothing measured: the default
+
+
+@pytest.mark.skipif(len(llama.F32_GEMMS) < 2, reason="one fp32 GEMM here: nothing to choose")
+def test_both_gemms_are_measured_and_the_layers_keep_their_packing():
+    model = _packed_layers(4, 1024, 1024)
+    before = [m.packed_weight for m in model]
+    timings = kernel_choice.measure_gemms(list(model))
+    assert set(timings) == set(llama.F32_GEMMS) and all(t > 0 for t in timings.values())
+    assert [m.packed_weight for m in model] == before
+
+
+@pytest.mark.skipif(len(llama.F32_GEMMS) < 2, reason="one fp32 GEMM here: nothing to choose")
+def test_repacking_for_the_other_gemm_keeps_every_product(tiny_llama):
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 400 + 3 for i in range(30)]} for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = {}
+    for gemm in llama.F32_GEMMS:
+        with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
+            model = llm.engine.executor.worker.model
+            assert llama.repack_f32(model, gemm) == (0 if gemm == llama.DEFAULT_F32_GEMM else 1 + 4 * len(model.layers))
+            assert llama.repack_f32(model, gemm) == 0  # already packed for it
+            packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+            assert {llama.f32_gemm_of(p) for p in packed + [model.packed_lm_head]} == {gemm}
+            runs[gemm] = llm.generate(prompts, params, use_tqdm=False)
+    first, second = runs.values()
+    for a, b in zip(first, second):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, entry in la.items():
+                assert abs(entry.logprob - lb[token].logprob) < 1e-4
+    with pytest.raises(ValueError, match="f32_gemm: one of"):
+        llama.repack_f32(model, "blas")
+
+
+@pytest.mark.skipif(len(llama.F32_GEMMS) < 2, reason="one fp32 GEMM here: nothing to choose")
+def test_an_engine_runs_the_gemm_measured_faster_and_a_later_start_packs_for_it(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "MIN_MODEL_BYTES", 0)
+    other = next(g for g in llama.F32_GEMMS if g != llama.DEFAULT_F32_GEMM)
+    monkeypatch.setattr(kernel_choice, "choose_gemm", lambda timings, default: other)  # as if it won
+    for _ in range(2):  # the first start measures, the second reads the kept answer
+        with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
+            model = llm.engine.executor.worker.model
+            packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+            assert {llama.f32_gemm_of(p) for p in packed + [model.packed_lm_head]} == {other}
+            (entry,) = _entries(tmp_path).values()
+            assert entry["gemm"] == other and model.f32_kernel_rows == entry["rows"]
+            out = llm.generate([{"prompt_token_ids": list(range(3, 40))}],
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+        monkeypatch.setattr(kernel_choice, "measure_gemms", lambda layers: pytest.fail("measured again"))
+
+
 def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, measurements):
     model = _packed_layers(10, 1024, 1024)  # 40 MiB of fp32 weights: over the floor
     assert kernel_choice.kept_f32_kernel_rows(model) is None  # nothing kept yet: to be measured
@@ -67,26 +125,33 @@ def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, me
     assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
     assert measurements == [10]
     (key, kept), = _entries(tmp_path).items()
-    assert kept == rows
+    assert kept["rows"] == rows and kept["gemm"] in llama.F32_GEMMS
+    assert {llama.f32_gemm_of(m.packed_weight) for m in model} == {kept["gemm"]}
     # A later start of the same machine and shapes reads it back rather than measuring: an answer
     # the measurement could not give shows it came from the file.
-    (tmp_path / "kernel_choice.json").write_text(json.dumps({key: 7}))
+    (tmp_path / "kernel_choice.json").write_text(json.dumps({key: {"rows": 7, "gemm": llama.F32_GEMMS[-1]}}))
     again = _packed_layers(10, 1024, 1024)
     assert kernel_choice.kept_f32_kernel_rows(again) == 7 and _rows_of(again) == {7}
+    assert {llama.f32_gemm_of(m.packed_weight) for m in again} == {llama.F32_GEMMS[-1]}  # re-packed for it
     assert kernel_choice.tune_f32_kernel_rows(again) == 7 and measurements == [10]
     # Other shapes are other layers: measured, and kept beside the first entry.
     other = kernel_choice.tune_f32_kernel_rows(_packed_layers(9, 2048, 512))
     entries = _entries(tmp_path)
-    assert len(entries) == 2 and entries[key] == 7 and other in entries.values() and len(measurements) == 2
+    assert len(entries) == 2 and entries[key]["rows"] == 7 and len(measurements) == 2
+    assert other in [e["rows"] for e in entries.values()]
 
 
-@pytest.mark.parametrize("content", ["[8]", "{not json", '{"KEY": 1000}', '{"KEY": true}', '{"KEY": 0}'])
+@pytest.mark.parametrize("content", [
+    "[8]", "{not json", '{"KEY": 8}', '{"KEY": {"rows": 1000, "gemm": "onednn"}}',
+    '{"KEY": {"rows": true, "gemm": "onednn"}}', '{"KEY": {"rows": 0, "gemm": "onednn"}}',
+    '{"KEY": {"rows": 8, "gemm": "blas"}}', '{"KEY": {"rows": 8}}'])
 def test_a_kept_file_it_cannot_use_is_measured_over(tmp_path, measurements, content):
     model = _packed_layers(10, 1024, 1024)
     key = kernel_choice._key(kernel_choice._layers(model))
     (tmp_path / "kernel_choice.json").write_text(content.replace("KEY", key))
     rows = kernel_choice.tune_f32_kernel_rows(model)
-    assert measurements == [10] and _entries(tmp_path)[key] == rows and rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS)
+    assert measurements == [10] and _entries(tmp_path)[key]["rows"] == rows
+    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS)
 
 
 def test_the_measurement_stops_at_the_first_row_count_the_kernel_does_not_win():
@@ -167,7 +232,7 @@ def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_p
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
         # The offline LLM returns once it has measured.
-        (rows,) = _entries(tmp_path).values()
+        (rows,) = (e["rows"] for e in _entries(tmp_path).values())
         model = llm.engine.executor.worker.model
         assert measurements and model.f32_kernel_rows == rows
         assert all(len(o.outputs[0].token_ids) == 5 for o in llm.generate(prompts, params, use_tqdm=False))
@@ -194,5 +259,5 @@ def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_p
         assert llm.stats()["kv_blocks_used"] == 0
     # A later start of the machine takes the kept answer before its first step.
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
-        assert llm.engine.executor.worker.model.f32_kernel_rows == _entries(tmp_path).popitem()[1]
+        assert llm.engine.executor.worker.model.f32_kernel_rows == _entries(tmp_path).popitem()[1]["rows"]
     assert len(measurements) == 2

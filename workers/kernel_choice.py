@@ -1,8 +1,18 @@
-"""Up to how many rows a model's fp32 linear layers run the C weight kernel rather than the GEMM
-on the packed weight (MKL's packed GEMM, or oneDNN's where torch has no MKL: both "oneDNN"
-below, where the figures were taken), measured per machine and set on the model
-(`f32_kernel_rows` on each packed layer and on the model for its LM head, read by `linear` and
-`lm_head` in workers/models/llama.py; F32_KERNEL_ROWS there is the default).
+"""How a model's fp32 linear layers multiply on this machine, measured per machine: which packed
+GEMM they run (MKL's or oneDNN's, `llama.F32_GEMMS`), and up to how many rows they run the C
+weight kernel rather than that GEMM (`f32_kernel_rows` on each packed layer and on the model for
+its LM head, read by `linear` and `lm_head` in workers/models/llama.py; F32_KERNEL_ROWS there is
+the default). The crossover's figures below were taken against oneDNN ("oneDNN" for the packed
+GEMM).
+
+Why the GEMM is measured: each library is the faster on some CPUs. SmolLM2's 30 layers of
+projections, 2 threads, MKL packed against oneDNN packed: on a Xeon with AVX-512 64 rows 46.7
+against 64.3 ms (kernels/cpu/mkl_packed.py); on an AMD EPYC (Zen 3, AVX2) 16 rows 85.2 against
+44.4 ms, 32 rows 97.5 / 66.8, 64 rows 138.0 / 108.6, 256 rows 399.9 / 374.3 (and 2,048 rows
+2,532 / 2,840). The two are compared at GEMM_ROWS, a decode batch's row counts beyond the C
+kernel's, where a serving engine spends most of its steps; the other GEMM replaces the default
+(MKL's where torch has it) only where it wins by MARGIN, and then the layers are packed again for
+it (`llama.repack_f32`).
 
 Why measured: the crossover is the CPU's. The C kernel streams each weight once for all of a
 step's rows (kernels/cpu/weight_gemv.c); oneDNN's GEMM wins once there are rows enough to fill its
@@ -16,18 +26,20 @@ the C kernel leads there at every count it takes (SmolLM2's first 128 MiB: 12 ro
 9.14 ms, 16 rows 7.84 against 9.60).
 
 How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, more than most
-CPUs' caches hold, so that they stream from memory as a step's weights do), the C kernel against
-oneDNN at each of CANDIDATE_ROWS in turn, the best of REPEATS rounds each (the two alternating).
-A row count is taken only where the C kernel wins by MARGIN, and the first it does not win ends
-the search. The LM head takes the same count (it is not measured apart). The answer is kept on
-disk, keyed by the CPU, the thread count, the kernel's source and the layers' shapes, under a
-lock: later starts read it before their first step, and every process of the machine runs the
-same kernels (a step's rounding depends on the kernel, so a server and the offline API give the
-same tokens). Only the first start of a machine runs its first steps on the default, until it
-has measured.
-Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the default:
+CPUs' caches hold, so that they stream from memory as a step's weights do), first the two GEMMs
+(the other's packing of those layers made for the measurement and dropped after), then the C
+kernel against the chosen GEMM at each of CANDIDATE_ROWS in turn, the best of REPEATS rounds each
+(the sides alternating within a round). A row count is taken only where the C kernel wins by
+MARGIN, and the first it does not win ends the search. The LM head takes the same GEMM and count
+(it is not measured apart). The answer is kept on disk, keyed by the CPU, the thread count, the
+kernel's source, the GEMMs torch has and the layers' shapes, under a lock: later starts read it
+before their first step, and every process of the machine runs the same kernels (a step's
+rounding depends on the kernel, so a server and the offline API give the same tokens). Only the
+first start of a machine runs its first steps on the defaults, until it has measured.
+Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the defaults:
 their weights sit in cache, where the comparison says nothing. PAGEDSERVE_F32_KERNEL_ROWS=N sets
-the count outright (no measurement, nothing kept): the test suite runs at the default that way.
+the count outright and keeps the default GEMM (no measurement, nothing kept): the test suite runs
+at the defaults that way.
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ import torch
 from torch import nn
 
 import kernels.cpu
-from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed
+from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear
 from pagedserve.config import cache_dir
 from workers.json_file import locked, write_atomically
 from workers.models import llama
@@ -53,6 +65,7 @@ from workers.models import llama
 log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (5, 6, 8, 12, 16)
+GEMM_ROWS = (32, 128)
 MEASURED_BYTES = 128 << 20
 MIN_MODEL_BYTES = 32 << 20
 REPEATS = 5
@@ -73,8 +86,23 @@ def choose_rows(timings: dict[int, tuple[float, float]], default: int) -> int:
     return chosen
 
 
+def choose_gemm(timings: dict[str, float], default: str) -> str:
+    """The GEMM that beats `default` by MARGIN (the fastest, if more do); `default` where none does.
+    `timings`: GEMM -> seconds over GEMM_ROWS."""
+    best = min(timings, key=timings.__getitem__, default=default)
+    if best != default and default in timings and timings[best] > timings[default] * (1 - MARGIN):
+        return default
+    return best
+
+
 def _valid(rows) -> bool:
     return type(rows) is int and 1 <= rows <= F32_GEMV_MAX_ROWS
+
+
+def _valid_entry(entry) -> bool:
+    """A kept answer: {"rows": a valid crossover, "gemm": one of the GEMMs torch has here}."""
+    return (isinstance(entry, dict) and _valid(entry.get("rows"))
+            and entry.get("gemm") in llama.F32_GEMMS)
 
 
 def _layers(model: nn.Module) -> list[nn.Linear]:
@@ -97,8 +125,8 @@ def _cpu_name() -> str:
 def _key(layers: list[nn.Linear]) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in layers})
     kernel = hashlib.blake2b(GEMV_SOURCE.read_bytes(), digest_size=8).hexdigest()
-    gemm = "mkl-packed" if mkl_packed.available() else "onednn"  # the other side of the comparison
-    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemm}|{shapes}"
+    gemms = ",".join(llama.F32_GEMMS)  # the candidates
+    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemms}|{shapes}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -128,11 +156,11 @@ def _cache_locked():
         yield
 
 
-def _write_cache(key: str, rows: int) -> None:
+def _write_cache(key: str, rows: int, gemm: str) -> None:
     path = _cache_path()
     try:
         entries = _read_cache()
-        entries[key] = rows
+        entries[key] = {"rows": rows, "gemm": gemm}
         write_atomically(path, entries, indent=1)
     except OSError as e:
         log.warning("could not keep the measured kernel crossover in %s: %s", path, e)
@@ -152,28 +180,56 @@ def _best_times(*runs) -> list[float]:
     return best
 
 
+def _inputs(layers: list[nn.Linear], rows: int) -> dict[int, torch.Tensor]:
+    # Not randn: the global RNG stays as it was.
+    return {n: torch.full((rows, n), 0.5) for n in {m.weight.shape[1] for m in layers}}
+
+
+@torch.inference_mode()
+def measure_gemms(layers: list[nn.Linear]) -> dict[str, float]:
+    """GEMM -> seconds over `layers` at GEMM_ROWS (the sum of each row count's best), for every
+    GEMM of `llama.F32_GEMMS`; empty where there are fewer than two. The layers keep their packing:
+    the others are made for the measurement and dropped after it."""
+    if len(llama.F32_GEMMS) < 2:
+        return {}
+    packings = {gemm: [m.packed_weight if llama.f32_gemm_of(m.packed_weight) == gemm else llama._pack(m.weight, gemm)
+                       for m in layers] for gemm in llama.F32_GEMMS}
+    timings = dict.fromkeys(packings, 0.0)
+    for rows in GEMM_ROWS:
+        xs = _inputs(layers, rows)
+        runs = [lambda packed=packed: [llama.packed_linear(xs[m.weight.shape[1]], p) for m, p in zip(layers, packed)]
+                for packed in packings.values()]
+        for gemm, seconds in zip(packings, _best_times(*runs)):
+            timings[gemm] += seconds
+    return timings
+
+
 @torch.inference_mode()
 def measure(layers: list[nn.Linear]) -> dict[int, tuple[float, float]]:
-    """rows -> (C kernel, oneDNN) seconds over `layers`, up to the first row count where the C
-    kernel does not win by MARGIN; empty where the C kernel did not build."""
-    inputs = {m.weight.shape[1] for m in layers}
+    """rows -> (C kernel, packed GEMM) seconds over `layers` (on the GEMM their weights are packed
+    for), up to the first row count where the C kernel does not win by MARGIN; empty where the C
+    kernel did not build."""
     timings = {}
     for rows in CANDIDATE_ROWS:
         if rows > F32_GEMV_MAX_ROWS:
             break
-        xs = {n: torch.full((rows, n), 0.5) for n in inputs}  # not randn: the global RNG stays as it was
+        xs = _inputs(layers, rows)
         if f32_linear(xs[layers[0].weight.shape[1]], layers[0].weight) is None:
             break
-        kernel, onednn = _best_times(
+        kernel, gemm = _best_times(
             lambda: [f32_linear(xs[m.weight.shape[1]], m.weight) for m in layers],
             lambda: [llama.packed_linear(xs[m.weight.shape[1]], m.packed_weight) for m in layers])
-        timings[rows] = (kernel, onednn)
+        timings[rows] = (kernel, gemm)
         if choose_rows(timings, llama.F32_KERNEL_ROWS) != rows:
             break
     return timings
 
 
-def _apply(model: nn.Module, layers: list[nn.Linear], rows: int) -> int:
+def _apply(model: nn.Module, layers: list[nn.Linear], rows: int, gemm: str | None = None) -> int:
+    """Set the crossover, and re-pack the fp32 weights for `gemm` where they are not (None: as
+    they are)."""
+    if gemm is not None:
+        llama.repack_f32(model, gemm)
     for m in layers:
         m.f32_kernel_rows = rows
     model.f32_kernel_rows = rows  # its LM head's
@@ -181,8 +237,9 @@ def _apply(model: nn.Module, layers: list[nn.Linear], rows: int) -> int:
 
 
 def kept_f32_kernel_rows(model: nn.Module) -> int | None:
-    """Set `model`'s crossover where it needs no measurement (the override, a small model, a kept
-    answer) and return it; None where it is still to be measured (`tune_f32_kernel_rows`)."""
+    """Set `model`'s crossover and GEMM where they need no measurement (the override, a small
+    model, a kept answer) and return the crossover; None where they are still to be measured
+    (`tune_f32_kernel_rows`)."""
     return _kept_rows(model, _layers(model))
 
 
@@ -194,14 +251,14 @@ def _kept_rows(model: nn.Module, layers: list[nn.Linear]) -> int | None:
         return _apply(model, layers, int(override))
     if sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
         return _apply(model, layers, llama.F32_KERNEL_ROWS)
-    rows = _read_cache().get(_key(layers))
-    return _apply(model, layers, rows) if _valid(rows) else None
+    entry = _read_cache().get(_key(layers))
+    return _apply(model, layers, entry["rows"], entry["gemm"]) if _valid_entry(entry) else None
 
 
 def tune_f32_kernel_rows(model: nn.Module) -> int:
-    """Set `model`'s crossover on this machine (see the module docstring) and return it: read
-    back, or measured and kept. Run between steps, on the thread that runs them (its OpenMP team
-    is the one sized and pinned), once the weights are where they stay (on huge pages,
+    """Set `model`'s GEMM and crossover on this machine (see the module docstring) and return the
+    crossover: read back, or measured and kept. Run between steps, on the thread that runs them (its
+    OpenMP team is the one sized and pinned), once the weights are where they stay (on huge pages,
     workers/huge_pages.py)."""
     layers = _layers(model)
     rows = _kept_rows(model, layers)
@@ -209,9 +266,9 @@ def tune_f32_kernel_rows(model: nn.Module) -> int:
         return rows
     key = _key(layers)
     with _cache_locked():
-        rows = _read_cache().get(key)  # another process may have measured while this one waited
-        if _valid(rows):
-            return _apply(model, layers, rows)
+        entry = _read_cache().get(key)  # another process may have measured while this one waited
+        if _valid_entry(entry):
+            return _apply(model, layers, entry["rows"], entry["gemm"])
         measured, total = [], 0
         for m in layers:
             measured.append(m)
@@ -219,11 +276,16 @@ def tune_f32_kernel_rows(model: nn.Module) -> int:
             if total >= MEASURED_BYTES:
                 break
         start = time.perf_counter()
+        gemm_timings = measure_gemms(measured)
+        gemm = choose_gemm(gemm_timings, llama.DEFAULT_F32_GEMM)
+        llama.repack_f32(model, gemm)  # the crossover is measured against the GEMM the steps will run
         timings = measure(measured)
         rows = choose_rows(timings, llama.F32_KERNEL_ROWS)
-        log.info("fp32 linear layers take the C kernel up to %d rows (measured in %.2f s: %s)", rows,
-                 time.perf_counter() - start,
-                 ", ".join(f"{r} rows {k * 1e3:.2f} / {o * 1e3:.2f} ms" for r, (k, o) in timings.items()))
-        if timings:  # nothing measured (the kernel did not build): nothing to keep
-            _write_cache(key, rows)
+        log.info("fp32 linear layers run %s's packed GEMM (%s at %s rows), and the C kernel up to %d rows "
+                 "(%s; measured in %.2f s)", gemm, ", ".join(f"{g} {t * 1e3:.2f} ms" for g, t in gemm_timings.items()),
+                 "+".join(map(str, GEMM_ROWS)), rows,
+                 ", ".join(f"{r} rows {k * 1e3:.2f} / {o * 1e3:.2f} ms" for r, (k, o) in timings.items()),
+                 time.perf_counter() - start)
+        if timings or gemm_timings:  # nothing measured (no kernel built, one GEMM): nothing to keep
+            _write_cache(key, rows, gemm)
     return _apply(model, layers, rows)

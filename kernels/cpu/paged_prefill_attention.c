@@ -4,11 +4,12 @@
  *
  * Work is split into tiles: one KV head and up to TILE consecutive query positions of one
  * sequence, whose rows are those positions' `rep` query heads sharing that KV head (GQA), so a
- * K/V block read once serves TILE * rep rows. A tile walks its context block by block, 16 keys
- * at a time: the keys are transposed into [D][16] once, then every row's 16 scores are one
- * vector built by D broadcast FMAs (four rows per pass share each loaded key column); a running
- * softmax per row (its maximum and sum so far, its output rescaled when the maximum grows), then
- * the block's V rows added into four rows' accumulators at a time. Causality is a mask on the
+ * K/V block read once serves TILE * rep rows. A tile walks its context block by block, KEYS keys
+ * (a vector's width: 16, or 8 without AVX-512) at a time: the keys are transposed into [D][KEYS]
+ * once, then every row's KEYS scores are one vector built by D broadcast FMAs (RT rows per pass
+ * share each loaded key column); a running softmax per row (its maximum and sum so far, its
+ * output rescaled when the maximum grows), then the block's V rows added into RTV rows'
+ * accumulators at a time. Causality is a mask on the
  * scores of the blocks the diagonal crosses; blocks past a tile's last position are never read.
  * Tiles go to OpenMP threads dynamically: causal tiles late in a prompt cost more than early ones.
  *
@@ -32,18 +33,36 @@
 #define TILE 16     /* query positions per tile */
 #define MAX_REP 8   /* query heads per KV head */
 #define MAX_D 128
-#define KEYS 16     /* keys per score vector */
-#define RT 4        /* rows per register pass */
-#define NEG ((v16f){0} - 3.0e38f) /* "minus infinity", finite: the build assumes no infinities */
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-/* 16 floats read (written) at any float's address as one vector. A memcpy into a v16f became two
- * 256-bit loads and stores to the stack and one 512-bit load back, which the store buffer cannot
- * forward: the values loop stalled on it for a fifth of the kernel's time (perf annotate). */
-typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4)));
-INLINE v16f load16(const float *p) { return *(const v16f_unaligned *)p; }
-INLINE void store16(float *p, v16f v) { *(v16f_unaligned *)p = v; }
+/* The vector width: a register's floats. With AVX-512, 16 keys per score vector, and the values
+ * pass keeps 4 rows' whole output in registers (16 vectors at D = 64). Without it (AVX2: 16
+ * registers of 8 floats) GCC lowered those 16-float vectors into pairs and spilled them to the
+ * stack: the kernel ran at 9 GFLOP/s on an AMD EPYC's 2 cores (perf annotate: stack moves). There
+ * a score vector holds 8 keys, the scores pass takes 8 rows (75 against 69 GFLOP/s with 4), and
+ * the values pass 2 rows at a time, 32 of their output floats at a time (8 accumulators and 4 V
+ * vectors in registers): 61-75 GFLOP/s. */
+#if defined(__AVX512F__)
+#define W 16
+#define RT 4                  /* rows per scores pass */
+#define RTV 4                 /* rows per values pass */
+#define VJ(D) ((D) / W)       /* output vectors per row in a values pass: the whole head */
+#else
+#define W 8
+#define RT 8
+#define RTV 2
+#define VJ(D) 4
+#endif
+#define KEYS W                /* keys per score vector */
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+#define NEG ((vf){0} - 3.0e38f) /* "minus infinity", finite: the build assumes no infinities */
+/* W floats read (written) at any float's address as one vector. A memcpy into a 16-float vector
+ * became two 256-bit loads and stores to the stack and one 512-bit load back, which the store
+ * buffer cannot forward: the values loop stalled on it for a fifth of the kernel's time. */
+typedef float vf_unaligned __attribute__((vector_size(W * 4), aligned(4)));
+INLINE vf loadv(const float *p) { return *(const vf_unaligned *)p; }
+INLINE void storev(float *p, vf v) { *(vf_unaligned *)p = v; }
 
 typedef struct {
     int64_t num_heads, num_kv_heads, block_size, s_block, s_kv, s_tok, s_head;
@@ -63,7 +82,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
     float qs[TILE * MAX_REP][MAX_D] __attribute__((aligned(64)));
     float acc[TILE * MAX_REP][MAX_D] __attribute__((aligned(64)));
     float kt[MAX_D][KEYS] __attribute__((aligned(64)));
-    v16f sc[TILE * MAX_REP];
+    vf sc[TILE * MAX_REP];
     float mx[TILE * MAX_REP], sum[TILE * MAX_REP];
     int32_t pos[TILE * MAX_REP];
     for (int64_t p = 0; p < np; ++p)
@@ -78,22 +97,22 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
     for (int64_t r = nr; r < (nr + RT - 1) / RT * RT; ++r) /* a last partial pass reads zeros */
         for (int64_t d = 0; d < D; ++d) qs[r][d] = 0.f, acc[r][d] = 0.f;
     const int64_t last = base + first + np - 1; /* the tile's last position: no key beyond it */
-    v16f iota;
+    vf iota;
     for (int i = 0; i < KEYS; ++i) iota[i] = (float)i;
     for (int64_t t0 = 0, b = 0; t0 <= last; t0 += bs, ++b) {
         const float *block = kv + (int64_t)table[b] * sh->s_block + g * sh->s_head;
         for (int64_t i0 = 0; i0 < bs && t0 + i0 <= last; i0 += KEYS) {
             const int64_t m = last + 1 - (t0 + i0) < KEYS ? last + 1 - (t0 + i0) : KEYS;
-            const int64_t kmax = bs - i0 < m ? bs - i0 : m; /* keys of this 16 that exist */
+            const int64_t kmax = bs - i0 < m ? bs - i0 : m; /* keys of these that exist */
             const float *k0 = block + i0 * sh->s_tok, *v0 = block + sh->s_kv + i0 * sh->s_tok;
             for (int64_t i = 0; i < KEYS; ++i)
                 for (int64_t d = 0; d < D; ++d) kt[d][i] = i < kmax ? k0[i * sh->s_tok + d] : 0.f;
             /* scores: RT rows at a time, each key column loaded once for them */
             const float key0 = (float)(t0 + i0);
             for (int64_t r0 = 0; r0 < nr; r0 += RT) {
-                v16f s[RT] = {0};
+                vf s[RT] = {0};
                 for (int64_t d = 0; d < D; ++d) {
-                    v16f col;
+                    vf col;
                     memcpy(&col, kt[d], sizeof col);
                     for (int k = 0; k < RT; ++k) s[k] += qs[r0 + k][d] * col;
                 }
@@ -101,9 +120,9 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                     const int64_t r = r0 + k;
                     const float lim = (float)(pos[r] < t0 + i0 + kmax - 1 ? pos[r] : t0 + i0 + kmax - 1);
                     /* keys past the row's position, or past the block, score "minus infinity" */
-                    const v16i keep = (iota + key0) <= lim;
-                    const v16i masked = ((v16i)s[k] & keep) | ((v16i)NEG & ~keep);
-                    sc[r] = (v16f)masked;
+                    const vi keep = (iota + key0) <= lim;
+                    const vi masked = ((vi)s[k] & keep) | ((vi)NEG & ~keep);
+                    sc[r] = (vf)masked;
                 }
             }
             /* running softmax per row */
@@ -119,25 +138,28 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                 float e[KEYS], add = 0.f;
 #pragma omp simd reduction(+ : add)
                 for (int i = 0; i < KEYS; ++i) { e[i] = expf(sc[r][i] - bmax); add += e[i]; }
-                sc[r] = load16(e);
+                sc[r] = loadv(e);
                 sum[r] += add;
             }
-            /* values: RT rows' accumulators in registers, each V row loaded once for them */
-            for (int64_t r0 = 0; r0 < nr; r0 += RT) {
-                v16f a[RT][MAX_D / 16];
-                const int rows = nr - r0 < RT ? (int)(nr - r0) : RT;
-                for (int k = 0; k < RT; ++k)
-                    for (int64_t j = 0; j < D / 16; ++j) a[k][j] = load16(&acc[r0 + k][16 * j]);
-                for (int64_t i = 0; i < kmax; ++i) {
-                    v16f v[MAX_D / 16];
-                    for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(v0 + i * sh->s_tok + 16 * j);
-                    for (int k = 0; k < RT; ++k) {
-                        const float w = k < rows ? sc[r0 + k][i] : 0.f;
-                        for (int64_t j = 0; j < D / 16; ++j) a[k][j] += w * v[j];
+            /* values: RTV rows' accumulators in registers (VJ vectors of each at a time), each
+             * V row's piece loaded once for them */
+            for (int64_t r0 = 0; r0 < nr; r0 += RTV) {
+                const int rows = nr - r0 < RTV ? (int)(nr - r0) : RTV;
+                for (int64_t j0 = 0; j0 < D / W; j0 += VJ(D)) {
+                    vf a[RTV][VJ(D)];
+                    for (int k = 0; k < RTV; ++k)
+                        for (int64_t j = 0; j < VJ(D); ++j) a[k][j] = loadv(&acc[r0 + k][W * (j0 + j)]);
+                    for (int64_t i = 0; i < kmax; ++i) {
+                        vf v[VJ(D)];
+                        for (int64_t j = 0; j < VJ(D); ++j) v[j] = loadv(v0 + i * sh->s_tok + W * (j0 + j));
+                        for (int k = 0; k < RTV; ++k) {
+                            const float w = k < rows ? sc[r0 + k][i] : 0.f;
+                            for (int64_t j = 0; j < VJ(D); ++j) a[k][j] += w * v[j];
+                        }
                     }
+                    for (int k = 0; k < rows; ++k)
+                        for (int64_t j = 0; j < VJ(D); ++j) storev(&acc[r0 + k][W * (j0 + j)], a[k][j]);
                 }
-                for (int k = 0; k < rows; ++k)
-                    for (int64_t j = 0; j < D / 16; ++j) store16(&acc[r0 + k][16 * j], a[k][j]);
             }
         }
     }

@@ -117,12 +117,45 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> 
     return onednn_linear(x, packed, bias)
 
 
-def _pack(weight: torch.Tensor):
-    """`weight` packed once for its GEMM: fp32 in MKL's layout where torch exports MKL's packed
-    GEMM (kernels/cpu/mkl_packed.py: 1.3-1.4x oneDNN at a decode batch's rows), else oneDNN's."""
-    if weight.dtype == torch.float32 and mkl_packed.available():
+# The packed GEMMs fp32 layers can run on: MKL's where torch exports it, oneDNN's. Which is faster
+# is the CPU's: on a Xeon with AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows,
+# kernels/cpu/mkl_packed.py); on an AMD EPYC (AVX2) oneDNN's, 1.3-1.9x MKL's at 4-64 rows. MKL's
+# is the default, and a worker measures which its machine runs (workers/kernel_choice.py).
+F32_GEMMS = ("mkl",) * mkl_packed.available() + ("onednn",) * _mkldnn_f32()
+DEFAULT_F32_GEMM = F32_GEMMS[0] if F32_GEMMS else None
+
+
+def _pack(weight: torch.Tensor, f32_gemm: str | None = None):
+    """`weight` packed once for its GEMM: fp32 for `f32_gemm` (DEFAULT_F32_GEMM unless given),
+    MKL's layout or oneDNN's; bf16 for oneDNN's."""
+    if weight.dtype == torch.float32 and (f32_gemm or DEFAULT_F32_GEMM) == "mkl":
         return mkl_packed.PackedWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def f32_gemm_of(packed) -> str:
+    """Which GEMM an fp32 weight was packed for."""
+    return "mkl" if isinstance(packed, mkl_packed.PackedWeight) else "onednn"
+
+
+def repack_f32(model: nn.Module, f32_gemm: str) -> int:
+    """Re-pack every fp32 layer's packed weight (and the LM head's) for `f32_gemm` ("mkl" or
+    "onednn", one of F32_GEMMS); returns the weights re-packed (0 where all were packed for it)."""
+    if f32_gemm not in F32_GEMMS:
+        raise ValueError(f"f32_gemm: one of {F32_GEMMS}, got {f32_gemm!r}")
+    done = 0
+    with torch.no_grad():
+        head = getattr(model, "packed_lm_head", None)
+        if head is not None and model.lm_head_weight().dtype == torch.float32 and f32_gemm_of(head) != f32_gemm:
+            model.packed_lm_head = _pack(model.lm_head_weight(), f32_gemm)
+            done += 1
+        for m in model.modules():
+            packed = getattr(m, "packed_weight", None)
+            if (isinstance(m, nn.Linear) and packed is not None and m.weight.dtype == torch.float32
+                    and f32_gemm_of(packed) != f32_gemm):
+                m.packed_weight = _pack(m.weight, f32_gemm)
+                done += 1
+    return done
 
 
 def pack_weights(model: LlamaForCausalLM) -> int:
