@@ -104,31 +104,44 @@ INLINE void weighted_values(float *o, const float *p, const void *kv, const int3
  * V row is read once for all the heads that share it; the next block is prefetched. 4 decodes of
  * 1,200 tokens, 30 layers of SmolLM2, one core: 23.9 -> 14.0 ms a step (9.3 -> 15.8 GB/s), with
  * scores and values still in two passes (attend_vec below does one).
- * GCC vector extensions: AVX-512 where the CPU has it, two AVX2 halves otherwise. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+ * GCC vector extensions of W floats, a vector register: 16 with AVX-512. Without it (AVX2, 16
+ * registers of 8 floats) the 16-float form was lowered into pairs and spilled to the stack, and
+ * ran at 6.9 GB/s on an AMD EPYC's 2 cores (64 decodes of 300 tokens, 30 layers): there a score
+ * vector holds 8 keys, and the values pass takes 2 heads, 32 of their output floats at a time:
+ * 14-16 GB/s (128 -> 56-61 ms). With AVX-512 the code compiles as it did before W. */
+#if defined(__AVX512F__)
+#define W 16
+#define VALUE_HEADS(D) ((D) <= 64 ? 4 : 2) /* accumulators: at most 16 of the 32 vector registers */
+#define sumw sum16
+#else
+#define W 8
+#define VJ(D) 4
+#define VALUE_HEADS(D) 2
+#define sumw sum8
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
 #define MAX_D 128 /* the vector path's head sizes: 64 and 128 */
-/* 16 floats at any float's address, read and written as one vector. A memcpy to or from a v16f
- * can become two 256-bit moves through the stack and one 512-bit access, which the store buffer
- * cannot forward (it stalled the prefill kernel's values loop for a fifth of its time). */
-typedef float v16f_unaligned __attribute__((vector_size(64), aligned(4)));
-INLINE v16f loadu16(const float *p) { return *(const v16f_unaligned *)p; }
-INLINE void storeu16(float *p, v16f v) { *(v16f_unaligned *)p = v; }
+/* W floats at any float's address, read and written as one vector. A memcpy to or from a 16-float
+ * vector can become two 256-bit moves through the stack and one 512-bit access, which the store
+ * buffer cannot forward (it stalled the prefill kernel's values loop for a fifth of its time). */
+typedef float vf_unaligned __attribute__((vector_size(4 * W), aligned(4)));
+INLINE vf loadu(const float *p) { return *(const vf_unaligned *)p; }
+INLINE void storeu(float *p, vf v) { *(vf_unaligned *)p = v; }
 
-INLINE v16f load16(const void *kv, int64_t i, const int bf16) {
-    if (!bf16) return loadu16((const float *)kv + i);
+INLINE vf loadw(const void *kv, int64_t i, const int bf16) {
+    if (!bf16) return loadu((const float *)kv + i);
 #if defined(__AVX512F__)
     /* One vpmovzxwd to 512 bits and a shift. GCC's own conversion of the generic vector below
      * split it into four 128-bit vpmovzxwd, extracts and inserts (it prefers 256-bit vectors on
      * this CPU). 16 decodes of 350 tokens, 30 layers of SmolLM2, bf16, interleaved runs: one core
      * 29.7 -> 24.7 ms, two 15.6 -> 13.7. */
-    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16);
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16);
 #else
-    v16h h;
+    vh h;
     memcpy(&h, (const uint16_t *)kv + i, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16); /* a bf16 is a float's upper half */
+    return (vf)(__builtin_convertvector(h, vu) << 16); /* a bf16 is a float's upper half */
 #endif
 }
 
@@ -171,23 +184,41 @@ INLINE void prefetch_step(Prefetch *p) {
 }
 
 /* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head (head
- * h's weights at p + h * p_stride): the RT x D/16 accumulators stay in registers, each V row is
- * loaded once. */
+ * h's weights at p + h * p_stride): the RT heads' outputs stay in registers (without AVX-512,
+ * VJ(D) vectors of each at a time), each V row (piece) is loaded once for them. */
 INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, int64_t n, int64_t s_tok,
                         int64_t p_stride, int64_t h0, const int RT, const int64_t D, const int bf16) {
-    v16f acc[4][MAX_D / 16]; /* fixed sizes: registers once RT and D are constants */
+#if defined(__AVX512F__)
+    vf acc[4][MAX_D / W]; /* fixed sizes: registers once RT and D are constants */
     for (int r = 0; r < RT; ++r)
-        for (int64_t j = 0; j < D / 16; ++j) acc[r][j] = loadu16(o + (h0 + r) * D + 16 * j);
+        for (int64_t j = 0; j < D / W; ++j) acc[r][j] = loadu(o + (h0 + r) * D + W * j);
     for (int64_t i = 0; i < n; ++i) {
-        v16f v[MAX_D / 16];
-        for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(kv, v0 + i * s_tok + 16 * j, bf16);
+        vf v[MAX_D / W];
+        for (int64_t j = 0; j < D / W; ++j) v[j] = loadw(kv, v0 + i * s_tok + W * j, bf16);
         for (int r = 0; r < RT; ++r) {
             const float w = p[(h0 + r) * p_stride + i];
-            for (int64_t j = 0; j < D / 16; ++j) acc[r][j] += w * v[j];
+            for (int64_t j = 0; j < D / W; ++j) acc[r][j] += w * v[j];
         }
     }
     for (int r = 0; r < RT; ++r)
-        for (int64_t j = 0; j < D / 16; ++j) storeu16(o + (h0 + r) * D + 16 * j, acc[r][j]);
+        for (int64_t j = 0; j < D / W; ++j) storeu(o + (h0 + r) * D + W * j, acc[r][j]);
+#else
+    for (int64_t j0 = 0; j0 < D / W; j0 += VJ(D)) {
+        vf acc[4][VJ(D)]; /* fixed sizes: registers once RT and D are constants */
+        for (int r = 0; r < RT; ++r)
+            for (int64_t j = 0; j < VJ(D); ++j) acc[r][j] = loadu(o + (h0 + r) * D + W * (j0 + j));
+        for (int64_t i = 0; i < n; ++i) {
+            vf v[VJ(D)];
+            for (int64_t j = 0; j < VJ(D); ++j) v[j] = loadw(kv, v0 + i * s_tok + W * (j0 + j), bf16);
+            for (int r = 0; r < RT; ++r) {
+                const float w = p[(h0 + r) * p_stride + i];
+                for (int64_t j = 0; j < VJ(D); ++j) acc[r][j] += w * v[j];
+            }
+        }
+        for (int r = 0; r < RT; ++r)
+            for (int64_t j = 0; j < VJ(D); ++j) storeu(o + (h0 + r) * D + W * (j0 + j), acc[r][j]);
+    }
+#endif
 }
 
 /* Whether every one of the n floats is a bf16 (its low 16 bits zero), as a bf16 model's queries
@@ -216,27 +247,27 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                        float *scores, const Shape *sh, const int64_t D, const int bf16) {
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
     const int q_bf16 = bf16 && bf16_exact(q, H * D);
-    const int tile = D <= 64 ? 4 : 2; /* accumulators: at most 16 of the 32 vector registers */
+    const int tile = VALUE_HEADS(D);
     float mx[H], sum[H];
     for (int64_t h = 0; h < H; ++h) mx[h] = -3.0e38f, sum[h] = 0.f; /* finite: see softmax_rows */
     for (int64_t d = 0; d < H * D; ++d) o[d] = 0.f;
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
         const int64_t block = (int64_t)table[b] * sh->s_block;
         const int64_t n = len - t0 < bs ? len - t0 : bs;
-        Prefetch next = prefetch_start(kv, table, b + 1, len, sh, bf16, H * 16);
-        for (int64_t i0 = 0; i0 < n; i0 += 16) {
-            const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        Prefetch next = prefetch_start(kv, table, b + 1, len, sh, bf16, H * W);
+        for (int64_t i0 = 0; i0 < n; i0 += W) {
+            const int64_t m = n - i0 < W ? n - i0 : W;
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
                 const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
                 for (int64_t r = 0; r < rep; ++r, ++h) {
-                    v16f part[16];
+                    vf part[W];
 #if defined(__AVX512BF16__)
                     if (bf16 && q_bf16) { /* see bf16_exact */
                         __m512bh qb[MAX_D / 32];
                         for (int64_t j = 0; j < D / 32; ++j)
-                            qb[j] = _mm512_cvtne2ps_pbh((__m512)loadu16(q + h * D + 32 * j + 16),
-                                                        (__m512)loadu16(q + h * D + 32 * j));
-                        for (int64_t i = 0; i < 16; ++i) {
+                            qb[j] = _mm512_cvtne2ps_pbh((__m512)loadu(q + h * D + 32 * j + 16),
+                                                        (__m512)loadu(q + h * D + 32 * j));
+                        for (int64_t i = 0; i < W; ++i) {
                             if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
                             __m512 p = _mm512_setzero_ps();
                             if (i < m) {
@@ -244,23 +275,23 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                                 for (int64_t j = 0; j < D / 32; ++j)
                                     p = _mm512_dpbf16_ps(p, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
                             }
-                            part[i] = (v16f)p;
+                            part[i] = (vf)p;
                         }
                     } else
 #endif
                     {
-                        v16f qv[MAX_D / 16];
-                        for (int64_t j = 0; j < D / 16; ++j) qv[j] = loadu16(q + h * D + 16 * j);
-                        for (int64_t i = 0; i < 16; ++i) {
+                        vf qv[MAX_D / W];
+                        for (int64_t j = 0; j < D / W; ++j) qv[j] = loadu(q + h * D + W * j);
+                        for (int64_t i = 0; i < W; ++i) {
                             if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
-                            v16f p = {0};
+                            vf p = {0};
                             if (i < m)
-                                for (int64_t j = 0; j < D / 16; ++j)
-                                    p += qv[j] * load16(kv, k0 + i * sh->s_tok + 16 * j, bf16);
+                                for (int64_t j = 0; j < D / W; ++j)
+                                    p += qv[j] * loadw(kv, k0 + i * sh->s_tok + W * j, bf16);
                             part[i] = p;
                         }
                     }
-                    const v16f sc = sum16(part) * sh->scale;
+                    const vf sc = sumw(part) * sh->scale;
                     for (int64_t i = 0; i < m; ++i) scores[h * bs + i0 + i] = sc[i];
                 }
             }

@@ -31,4 +31,21 @@ static inline __attribute__((always_inline)) sum16_f sum16(const sum16_f *v) {
                       lo128, hi128);
 }
 
+/* sum8(v): the same for 8 vectors of 8 floats (AVX2's registers): lane j is the sum of v[j]. */
+typedef float sum8_f __attribute__((vector_size(32)));
+typedef int32_t sum8_i __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) sum8_f sum8_pair(sum8_f a, sum8_f b, sum8_i lo, sum8_i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+static inline __attribute__((always_inline)) sum8_f sum8(const sum8_f *v) {
+    const sum8_i lo32 = {0, 8, 1, 9, 4, 12, 5, 13}, hi32 = {2, 10, 3, 11, 6, 14, 7, 15};
+    const sum8_i lo64 = {0, 1, 8, 9, 4, 5, 12, 13}, hi64 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const sum8_i lo128 = {0, 1, 2, 3, 8, 9, 10, 11}, hi128 = {4, 5, 6, 7, 12, 13, 14, 15};
+    return sum8_pair(sum8_pair(sum8_pair(v[0], v[1], lo32, hi32), sum8_pair(v[2], v[3], lo32, hi32), lo64, hi64),
+                     sum8_pair(sum8_pair(v[4], v[5], lo32, hi32), sum8_pair(v[6], v[7], lo32, hi32), lo64, hi64),
+                     lo128, hi128);
+}
+
 #endif
