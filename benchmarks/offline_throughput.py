@@ -146,8 +146,11 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stop
     b = torch.randn(576, 1536, dtype=dtype)
     kernels = [lambda: torch.mm(a, b)]
     if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
-        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
+            kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        except RuntimeError:  # bf16 on a CPU without bf16 instructions: oneDNN refuses to pack
+            pass
     if dtype == torch.float32 and mkl_packed.available():
         mkl_weight = mkl_packed.PackedWeight(b.t().contiguous())
         kernels.append(lambda: mkl_packed.linear(a, mkl_weight))
