@@ -261,3 +261,20 @@ def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_p
     with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
         assert llm.engine.executor.worker.model.f32_kernel_rows == _entries(tmp_path).popitem()[1]["rows"]
     assert len(measurements) == 2
+
+
+def test_the_gemm_benchmark_times_every_kernel_on_the_models_projections(tmp_path, capsys):
+    """benchmarks/f32_gemm.py: each packed GEMM and torch's `mm` at every row count asked for, the C
+    kernel only up to its rows, written to its JSON."""
+    from benchmarks import f32_gemm
+
+    out = tmp_path / "gemm.json"
+    f32_gemm.main(["--rows", "2", "40", "--repeats", "1", "--layers", "1", "--result-json", str(out)])
+    result = json.loads(out.read_text())
+    few, many = result["results"]
+    names = {"MKL packed": "mkl", "oneDNN packed": "onednn"}
+    packed = {f"{name}_s" for name, gemm in names.items() if gemm in llama.F32_GEMMS}
+    assert set(few) == {"rows", "torch.mm_s", "C kernel_s", *packed} and few["rows"] == 2
+    assert set(many) == {"rows", "torch.mm_s", *packed} and many["rows"] == 40  # beyond the C kernel's rows
+    assert all(v > 0 for r in (few, many) for k, v in r.items() if k != "rows")
+    assert result["layers"] == 1 and "torch.mm" in capsys.readouterr().out
