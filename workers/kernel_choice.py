@@ -7,9 +7,9 @@ GEMM).
 
 Why the GEMM is measured: each library is the faster on some CPUs. SmolLM2's 30 layers of
 projections, 2 threads, MKL packed against oneDNN packed: on a Xeon with AVX-512 64 rows 46.7
-against 64.3 ms (kernels/cpu/mkl_packed.py); on an AMD EPYC (Zen 3, AVX2) 16 rows 85.2 against
-44.4 ms, 32 rows 97.5 / 66.8, 64 rows 138.0 / 108.6, 256 rows 399.9 / 374.3 (and 2,048 rows
-2,532 / 2,840). The two are compared at GEMM_ROWS, a decode batch's row counts beyond the C
+against 64.3 ms (kernels/cpu/mkl_packed.py); on an AMD EPYC (Zen 3, AVX2; benchmarks/f32_gemm.py)
+16 rows 64.4 against 39.3 ms, 32 rows 88.3 / 60.0, 64 rows 149.9 / 108.5, 256 rows 368.4 / 372.0,
+2,048 rows 2,573 / 2,789. The two are compared at GEMM_ROWS, a decode batch's row counts beyond the C
 kernel's, where a serving engine spends most of its steps; the other GEMM replaces the default
 (MKL's where torch has it) only where it wins by MARGIN, and then the layers are packed again for
 it (`llama.repack_f32`).

@@ -61,7 +61,8 @@ class Worker:
         self._weights_move = HugePageMove(self.model, self._step_lock) if self.device == "cpu" else None
         # Up to how many rows fp32 layers take the C kernel (workers/kernel_choice.py): kept from an
         # earlier start, or measured once the weights are where they stay, between two steps.
-        self._kernels_chosen = self.device != "cpu" or kept_f32_kernel_rows(self.model) is not None
+        with self._step_lock:  # a kept answer may re-pack weights the move is about to re-point
+            self._kernels_chosen = self.device != "cpu" or kept_f32_kernel_rows(self.model) is not None
         attn = self.model.layers[0].self_attn
         self.cache_spec = KVCacheSpec(self.hf_config.num_hidden_layers, config.block_size,
                                       attn.num_kv_heads, attn.head_dim, self.kv_dtype)

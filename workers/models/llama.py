@@ -119,7 +119,7 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> 
 
 # The packed GEMMs fp32 layers can run on: MKL's where torch exports it, oneDNN's. Which is faster
 # is the CPU's: on a Xeon with AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows,
-# kernels/cpu/mkl_packed.py); on an AMD EPYC (AVX2) oneDNN's, 1.3-1.9x MKL's at 4-64 rows. MKL's
+# kernels/cpu/mkl_packed.py); on an AMD EPYC (AVX2) oneDNN's, 1.4-2.3x MKL's at 4-64 rows. MKL's
 # is the default, and a worker measures which its machine runs (workers/kernel_choice.py).
 F32_GEMMS = ("mkl",) * mkl_packed.available() + ("onednn",) * _mkldnn_f32()
 DEFAULT_F32_GEMM = F32_GEMMS[0] if F32_GEMMS else None
