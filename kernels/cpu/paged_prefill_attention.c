@@ -9,8 +9,8 @@
  * once, then every row's KEYS scores are one vector built by D broadcast FMAs (RT rows per pass
  * share each loaded key column); a running softmax per row (its maximum and sum so far, its
  * output rescaled when the maximum grows), then the block's V rows added into RTV rows'
- * accumulators at a time. Causality is a mask on the
- * scores of the blocks the diagonal crosses; blocks past a tile's last position are never read.
+ * accumulators at a time. Causality is a mask on the scores of the blocks the diagonal crosses;
+ * blocks past a tile's last position are never read.
  * Tiles go to OpenMP threads dynamically: causal tiles late in a prompt cost more than early ones.
  *
  * Why: torch's SDPA ran these shapes (SmolLM2: 9 query / 3 KV heads of 64, prompts of 20-600
@@ -40,17 +40,15 @@
  * stack: the kernel ran at 9 GFLOP/s on an AMD EPYC's 2 cores (perf annotate: stack moves). There
  * a score vector holds 8 keys, the scores pass takes 8 rows (75 against 69 GFLOP/s with 4), and
  * the values pass 2 rows at a time, 32 of their output floats at a time (8 accumulators and 4 V
- * vectors in registers): 61-75 GFLOP/s. */
+ * vectors in registers): 61-75 GFLOP/s. With AVX-512 the code compiles as it did before W. */
 #if defined(__AVX512F__)
 #define W 16
-#define RT 4                  /* rows per scores pass */
-#define RTV 4                 /* rows per values pass */
-#define VJ(D) ((D) / W)       /* output vectors per row in a values pass: the whole head */
+#define RT 4                  /* rows per scores pass (and values pass) */
 #else
 #define W 8
 #define RT 8
-#define RTV 2
-#define VJ(D) 4
+#define RTV 2                 /* rows per values pass */
+#define VJ(D) 4               /* output vectors per row in a values pass */
 #endif
 #define KEYS W                /* keys per score vector */
 
@@ -141,6 +139,25 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                 sc[r] = loadv(e);
                 sum[r] += add;
             }
+#if defined(__AVX512F__)
+            /* values: RT rows' accumulators in registers, each V row loaded once for them */
+            for (int64_t r0 = 0; r0 < nr; r0 += RT) {
+                vf a[RT][MAX_D / W];
+                const int rows = nr - r0 < RT ? (int)(nr - r0) : RT;
+                for (int k = 0; k < RT; ++k)
+                    for (int64_t j = 0; j < D / W; ++j) a[k][j] = loadv(&acc[r0 + k][W * j]);
+                for (int64_t i = 0; i < kmax; ++i) {
+                    vf v[MAX_D / W];
+                    for (int64_t j = 0; j < D / W; ++j) v[j] = loadv(v0 + i * sh->s_tok + W * j);
+                    for (int k = 0; k < RT; ++k) {
+                        const float w = k < rows ? sc[r0 + k][i] : 0.f;
+                        for (int64_t j = 0; j < D / W; ++j) a[k][j] += w * v[j];
+                    }
+                }
+                for (int k = 0; k < rows; ++k)
+                    for (int64_t j = 0; j < D / W; ++j) storev(&acc[r0 + k][W * j], a[k][j]);
+            }
+#else
             /* values: RTV rows' accumulators in registers (VJ vectors of each at a time), each
              * V row's piece loaded once for them */
             for (int64_t r0 = 0; r0 < nr; r0 += RTV) {
@@ -161,6 +178,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                         for (int64_t j = 0; j < VJ(D); ++j) storev(&acc[r0 + k][W * (j0 + j)], a[k][j]);
                 }
             }
+#endif
         }
     }
     for (int64_t p = 0; p < np; ++p)
