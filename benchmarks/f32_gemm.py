@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -32,7 +33,7 @@ from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed  # noqa: E402
 from workers.models import llama  # noqa: E402
 
 
-def kernels_for(weights: list[torch.Tensor]) -> dict[str, callable]:
+def kernels_for(weights: list[torch.Tensor]) -> dict[str, Callable]:
     """name -> (x, i) -> x @ weights[i]^T, for every fp32 GEMM this torch has."""
     kernels = {}
     if mkl_packed.available():

@@ -39,6 +39,7 @@ from pagedserve.bench import hf_baseline as bench_hf  # noqa: E402
 from pagedserve.bench.dataset import BenchRequest, corpus_text  # noqa: E402
 from pagedserve.bench.hf_baseline import batches, hf_generate  # noqa: E402
 from pagedserve.config import resolve_model  # noqa: E402
+from workers.models import llama  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,12 +146,10 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stop
     a = torch.randn(2048, 576, dtype=dtype)
     b = torch.randn(576, 1536, dtype=dtype)
     kernels = [lambda: torch.mm(a, b)]
-    if torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
-            kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-        except RuntimeError:  # bf16 on a CPU without bf16 instructions: oneDNN refuses to pack
-            pass
+    # oneDNN packs bf16 weights only on a CPU with bf16 instructions
+    if torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16 or llama._mkldnn_bf16()):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
+        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     if dtype == torch.float32 and mkl_packed.available():
         mkl_weight = mkl_packed.PackedWeight(b.t().contiguous())
         kernels.append(lambda: mkl_packed.linear(a, mkl_weight))

@@ -77,6 +77,12 @@ def test_both_gemms_are_measured_and_the_layers_keep_their_packing():
     assert [m.packed_weight for m in model] == before
 
 
+def _gemms_of(model: nn.Module) -> set[str]:
+    """The GEMMs every fp32 packed weight of a served model, its LM head's included, is packed for."""
+    packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return {llama.f32_gemm_of(p) for p in packed + [model.packed_lm_head]}
+
+
 @pytest.mark.skipif(len(llama.F32_GEMMS) < 2, reason="one fp32 GEMM here: nothing to choose")
 def test_repacking_for_the_other_gemm_keeps_every_product(tiny_llama):
     prompts = [{"prompt_token_ids": [(7 * i + j) % 400 + 3 for i in range(30)]} for j in range(3)]
@@ -87,8 +93,7 @@ def test_repacking_for_the_other_gemm_keeps_every_product(tiny_llama):
             model = llm.engine.executor.worker.model
             assert llama.repack_f32(model, gemm) == (0 if gemm == llama.DEFAULT_F32_GEMM else 1 + 4 * len(model.layers))
             assert llama.repack_f32(model, gemm) == 0  # already packed for it
-            packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-            assert {llama.f32_gemm_of(p) for p in packed + [model.packed_lm_head]} == {gemm}
+            assert _gemms_of(model) == {gemm}
             runs[gemm] = llm.generate(prompts, params, use_tqdm=False)
     first, second = runs.values()
     for a, b in zip(first, second):
@@ -108,8 +113,7 @@ def test_an_engine_runs_the_gemm_measured_faster_and_a_later_start_packs_for_it(
     for _ in range(2):  # the first start measures, the second reads the kept answer
         with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
             model = llm.engine.executor.worker.model
-            packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-            assert {llama.f32_gemm_of(p) for p in packed + [model.packed_lm_head]} == {other}
+            assert _gemms_of(model) == {other}
             (entry,) = _entries(tmp_path).values()
             assert entry["gemm"] == other and model.f32_kernel_rows == entry["rows"]
             out = llm.generate([{"prompt_token_ids": list(range(3, 40))}],
