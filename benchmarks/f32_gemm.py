@@ -1,10 +1,11 @@
 """fp32 GEMMs: the kernels an fp32 linear layer can run on (workers/models/llama.py), side by side
 on a model's decoder projections: MKL's GEMM on a weight packed once (kernels/cpu/mkl_packed.py),
-oneDNN's on its own packed weight, torch's `mm` on the plain weight, and, up to 16 rows, the C
-weight kernel (kernels/cpu/weight_gemv.c).
+oneDNN's on its own packed weight, pagedserve's own on its panels (kernels/cpu/packed_gemm.c),
+torch's `mm` on the plain weight, and, up to 16 rows, the C weight kernel
+(kernels/cpu/weight_gemv.c).
 
-Which is fastest at a decode batch's rows is the CPU's (MKL's on a Xeon with AVX-512, oneDNN's on
-an AMD EPYC), which is why a worker measures the packed GEMM and the C kernel's crossover once per
+Which is fastest at a decode batch's rows is the CPU's (MKL's on a Xeon with AVX-512, pagedserve's
+on an AMD EPYC), which is why a worker measures the packed GEMM and the C kernel's crossover once per
 machine (workers/kernel_choice.py); this shows the whole picture. For each row count, one pass
 over every layer's four projections (QKV, O, gate/up, down) with random fp32 weights of the
 model's shapes, the kernels alternated `--repeats` times; the best pass of each is reported.
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from benchmarks.bf16_gemm import MODEL, projection_shapes, timed  # noqa: E402
-from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed  # noqa: E402
+from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed, packed_gemm  # noqa: E402
 from workers.models import llama  # noqa: E402
 
 
@@ -42,6 +43,9 @@ def kernels_for(weights: list[torch.Tensor]) -> dict[str, Callable]:
     if "onednn" in llama.F32_GEMMS:
         onednn = [llama._pack(w, "onednn") for w in weights]
         kernels["oneDNN packed"] = lambda x, i: llama.onednn_linear(x, onednn[i])
+    if packed_gemm.available():
+        panels = [packed_gemm.PackedWeight(w) for w in weights]
+        kernels["pagedserve packed"] = lambda x, i: packed_gemm.linear(x, panels[i])
     kernels["torch.mm"] = lambda x, i: torch.mm(x, weights[i].t())
     kernels["C kernel"] = lambda x, i: f32_linear(x, weights[i])  # None beyond its rows
     return kernels

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from kernels.cpu import mkl_packed  # noqa: E402
+from kernels.cpu import mkl_packed, packed_gemm  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.bench import hf_baseline as bench_hf  # noqa: E402
 from pagedserve.bench.dataset import BenchRequest, corpus_text  # noqa: E402
@@ -140,9 +140,9 @@ def useful_tokens(requests: list[Request]) -> tuple[int, int]:
 # ---- the CPU ceiling -----------------------------------------------------------------------------
 def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stopwatch]:
     """Sustained rate of a matmul shaped like the model's MLP (a 2048-token step): the fastest of
-    torch's GEMM (MKL), oneDNN's on a weight packed once, and MKL's on a weight packed once (what
-    pagedserve runs for fp32 where torch has it; each is the fastest on some CPUs, so the ceiling
-    must count them all), `seconds` each."""
+    torch's GEMM (MKL), oneDNN's on a weight packed once, and for fp32 MKL's and pagedserve's own
+    on a weight packed once (the GEMMs pagedserve's fp32 layers choose from; each is the fastest on
+    some CPUs, so the ceiling must count them all), `seconds` each."""
     a = torch.randn(2048, 576, dtype=dtype)
     b = torch.randn(576, 1536, dtype=dtype)
     kernels = [lambda: torch.mm(a, b)]
@@ -153,6 +153,9 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 2.0) -> tuple[float, Stop
     if dtype == torch.float32 and mkl_packed.available():
         mkl_weight = mkl_packed.PackedWeight(b.t().contiguous())
         kernels.append(lambda: mkl_packed.linear(a, mkl_weight))
+    if dtype == torch.float32 and packed_gemm.available():
+        panels = packed_gemm.PackedWeight(b.t().contiguous())
+        kernels.append(lambda: packed_gemm.linear(a, panels))
     flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     best = (0.0, None)
     for kernel in kernels:

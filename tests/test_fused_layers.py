@@ -1,5 +1,6 @@
 """The decoder layers as two C calls each for fp32 steps (few rows, or any number where the
-projections are MKL-packed), or one call for a whole step of decode rows
+projections are packed for a GEMM C can call: MKL's or kernels/cpu/packed_gemm.c's), or one call
+for a whole step of decode rows
 (kernels/cpu/decoder_layer.c): taken where they apply, bit for bit the Python path's results, and
 left alone where they do not."""
 
@@ -8,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import mkl_packed
 from kernels.cpu.decoder_layer import FusedLayers, FusedStep, _projections
 from pagedserve import LLM, SamplingParams
+from workers.models import llama
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 33, 41, 2 + i]} for i in range(3)]
+# The packed GEMMs C can call here (MKL's where torch exports it, kernels/cpu/packed_gemm.c's).
+C_GEMMS = [g for g in ("mkl", "pagedserve") if g in llama.F32_GEMMS]
+c_gemms = pytest.mark.parametrize(
+    "gemm", C_GEMMS or [pytest.param(None, marks=pytest.mark.skip(reason="no packed GEMM C can call"))])
 
 
 def _model(llm):
@@ -78,9 +83,9 @@ def test_few_row_steps_take_the_fused_path_and_match_the_python_path_bit_for_bit
     fused, python, counts = _both_paths(llm, params, PROMPTS[:2])  # 4 decode rows a step
     assert fused == python
     assert counts.whole_steps >= 10  # the decode steps
-    # The 6-token prompts' 12 rows are beyond the crossover (4): fused too, on MKL's packed GEMM
-    # (QKV bias included) where torch has it, else on the Python path.
-    assert counts.layered == (counts.num_layers if mkl_packed.available() else 0)
+    # The 6-token prompts' 12 rows are beyond the crossover (4): fused too where the default GEMM
+    # is one C can call (QKV bias included), else on the Python path.
+    assert counts.layered == (counts.num_layers if llama.DEFAULT_F32_GEMM in C_GEMMS else 0)
 
 
 def test_a_short_prompt_runs_layer_by_layer_and_its_decodes_whole_both_exact(tiny_llama):
@@ -106,13 +111,14 @@ def test_a_speculative_step_with_drafts_runs_fused_and_stays_exact(tiny_llama):
     assert llm.stats().get("spec_draft_tokens_total", 0) > 0
 
 
-@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
-def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_for_bit(tiny_llama):
-    """With every projection MKL-packed, any step runs fused: beyond the model's crossover the C
-    layers call the packed GEMM, as `linear` does (the C weight kernel takes at most 16 rows, and
-    a GEMM of another order would not round the same)."""
+@c_gemms
+def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_for_bit(tiny_llama, gemm):
+    """With every projection packed for a GEMM C can call, any step runs fused: beyond the model's
+    crossover the C layers call that GEMM, as `linear` does (the C weight kernel takes at most 16
+    rows, and a GEMM of another order would not round the same)."""
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
     model = _model(llm)
+    llama.repack_f32(model, gemm)
     limit = model.f32_kernel_rows
     assert FusedLayers.of(list(model.layers)).all_packed
     prompts = [{"prompt_token_ids": [3 + i, 4, 5] + [7 + i] * 30} for i in range(limit + 15)]  # > 16 decode rows
@@ -122,14 +128,15 @@ def test_steps_above_the_kernels_rows_take_the_packed_gemm_in_c_and_match_bit_fo
     assert counts.whole_steps == 3 and counts.layered >= counts.num_layers  # the decodes, the prompts' chunk
 
 
-@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
-def test_steps_share_one_scratch_buffer_and_a_larger_steps_leftovers_change_nothing(tiny_llama):
+@c_gemms
+def test_steps_share_one_scratch_buffer_and_a_larger_steps_leftovers_change_nothing(tiny_llama, gemm):
     """Every fused step takes its buffers from the FusedLayers' scratch, grown to the largest step
     and kept (allocated per step, a large step's buffers were a fresh mapping whose every page
     faulted on first write). Smaller steps after a larger one reuse it as it is, and what the
     larger step left in it does not reach their results."""
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
     model = _model(llm)
+    llama.repack_f32(model, gemm)
     big = [{"prompt_token_ids": [3 + i] + [7 + i] * 40} for i in range(6)]  # one prompt step of 246 rows
     _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), big)
     assert counts.layered >= counts.num_layers
@@ -157,17 +164,31 @@ def _set_kernel_rows(model, rows: int, layer_rows: int | None = None) -> None:
         model.layers[-1].mlp.down_proj.f32_kernel_rows = layer_rows
 
 
-@pytest.mark.skipif(not mkl_packed.available(), reason="this torch exports no MKL packed GEMM")
+@c_gemms
 @pytest.mark.parametrize("rows", [8, 19])
-def test_the_c_layers_follow_the_models_crossover_on_either_side(tiny_llama, rows):
+def test_the_c_layers_follow_the_models_crossover_on_either_side(tiny_llama, rows, gemm):
     """At a crossover of 12, 8 decode rows take the C weight kernel and 19 the packed GEMM, in C
     as in Python (the default crossover, 4, would not tell a C path that ignored it apart)."""
     llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    llama.repack_f32(_model(llm), gemm)
     _set_kernel_rows(_model(llm), 12)
     prompts = [{"prompt_token_ids": [3 + i, 4, 5, 6 + i]} for i in range(rows)]
     fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                                             logprobs=2), prompts)
     assert fused == python and counts.whole_steps == 3
+
+
+@c_gemms
+def test_a_crossover_of_zero_runs_even_one_row_on_the_packed_gemm_in_c(tiny_llama, gemm):
+    """Where the packed GEMM beats the C weight kernel at one row, the crossover is 0: a one-row
+    decode step then runs whole in C on that GEMM, as `linear` runs it."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    model = _model(llm)
+    llama.repack_f32(model, gemm)
+    _set_kernel_rows(model, 0)
+    fused, python, counts = _both_paths(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                            logprobs=2), PROMPTS[:1])
+    assert fused == python and counts.whole_steps == 5
 
 
 def test_a_projection_with_a_crossover_of_its_own_keeps_the_python_path(tiny_llama):
@@ -194,6 +215,28 @@ def test_without_packed_weights_steps_above_the_kernels_rows_keep_the_python_pat
     prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(limit + 1)]  # limit + 1 decode rows
     _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
     assert counts.layers == 0
+
+
+@pytest.mark.skipif(len(llama.F32_GEMMS) < 2, reason="one fp32 GEMM here")
+def test_layers_packed_for_onednn_or_for_two_gemms_keep_the_python_path_beyond_the_crossover(tiny_llama):
+    """C calls one packed GEMM for every projection: oneDNN's packing (which C cannot call), or one
+    projection packed for another GEMM than the rest, leaves steps beyond the crossover to Python."""
+    llm = LLM(tiny_llama, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    model = _model(llm)
+    layers = FusedLayers.of(list(model.layers))
+    down = model.layers[-1].mlp.down_proj
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(model.f32_kernel_rows + 1)]
+    for first, last in [("onednn", "onednn"), *((g, next(o for o in llama.F32_GEMMS if o != g)) for g in C_GEMMS)]:
+        if first not in llama.F32_GEMMS:
+            continue
+        llama.repack_f32(model, first)
+        down.packed_weight = llama._pack(down.weight, last)
+        assert not layers.all_packed
+        _, counts = _runs(llm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prompts)
+        assert counts.layers == 0
+    for gemm in C_GEMMS:  # and once they agree again, the C path takes them
+        llama.repack_f32(model, gemm)
+        assert layers.all_packed
 
 
 def test_int8_weights_take_the_fused_path_up_to_their_kernels_rows_and_match_bit_for_bit(tiny_llama):

@@ -54,10 +54,12 @@ def _rows_of(model: nn.Module) -> set[int]:
 def test_the_rule_takes_the_rows_the_kernel_wins_by_the_margin_up_to_its_first_miss():
     assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.0, 1.1), 8: (1.0, 1.02)}, DEFAULT) == 6
     assert kernel_choice.choose_rows({5: (1.0, 1.2), 6: (1.3, 1.0), 8: (1.0, 2.0)}, DEFAULT) == 5  # no gaps
-    assert kernel_choice.choose_rows({5: (1.2, 1.0)}, DEFAULT) == DEFAULT
+    assert kernel_choice.choose_rows({5: (1.2, 1.0)}, 11) == 4  # the rows below the first lost are the kernel's
+    assert kernel_choice.choose_rows({1: (1.2, 1.0), 2: (1.0, 2.0)}, DEFAULT) == 0  # the GEMM at every count
+    assert kernel_choice.choose_rows({1: (1.0, 1.2), 2: (1.2, 1.0)}, DEFAULT) == 1
     assert kernel_choice.choose_rows({}, DEFAULT) == DEFAULT
     # Winning by less than the margin is not winning: a tie keeps oneDNN.
-    assert kernel_choice.choose_rows({5: (1.0, 1.0 / (1 - kernel_choice.MARGIN) - 1e-3)}, DEFAULT) == DEFAULT
+    assert kernel_choice.choose_rows({1: (1.0, 1.0 / (1 - kernel_choice.MARGIN) - 1e-3)}, DEFAULT) == 0
 
 
 def test_the_gemm_rule_keeps_the_default_unless_another_wins_by_the_margin():
@@ -95,12 +97,13 @@ def test_repacking_for_the_other_gemm_keeps_every_product(tiny_llama):
             assert llama.repack_f32(model, gemm) == 0  # already packed for it
             assert _gemms_of(model) == {gemm}
             runs[gemm] = llm.generate(prompts, params, use_tqdm=False)
-    first, second = runs.values()
-    for a, b in zip(first, second):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for token, entry in la.items():
-                assert abs(entry.logprob - lb[token].logprob) < 1e-4
+    first, *others = runs.values()
+    for other in others:
+        for a, b in zip(first, other):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                for token, entry in la.items():
+                    assert abs(entry.logprob - lb[token].logprob) < 1e-4
     with pytest.raises(ValueError, match="f32_gemm: one of"):
         llama.repack_f32(model, "blas")
 
@@ -126,7 +129,7 @@ def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, me
     model = _packed_layers(10, 1024, 1024)  # 40 MiB of fp32 weights: over the floor
     assert kernel_choice.kept_f32_kernel_rows(model) is None  # nothing kept yet: to be measured
     rows = kernel_choice.tune_f32_kernel_rows(model)
-    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
+    assert rows in (0, DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
     assert measurements == [10]
     (key, kept), = _entries(tmp_path).items()
     assert kept["rows"] == rows and kept["gemm"] in llama.F32_GEMMS
@@ -147,7 +150,7 @@ def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, me
 
 @pytest.mark.parametrize("content", [
     "[8]", "{not json", '{"KEY": 8}', '{"KEY": {"rows": 1000, "gemm": "onednn"}}',
-    '{"KEY": {"rows": true, "gemm": "onednn"}}', '{"KEY": {"rows": 0, "gemm": "onednn"}}',
+    '{"KEY": {"rows": true, "gemm": "onednn"}}', '{"KEY": {"rows": -1, "gemm": "onednn"}}',
     '{"KEY": {"rows": 8, "gemm": "blas"}}', '{"KEY": {"rows": 8}}'])
 def test_a_kept_file_it_cannot_use_is_measured_over(tmp_path, measurements, content):
     model = _packed_layers(10, 1024, 1024)
@@ -155,7 +158,7 @@ def test_a_kept_file_it_cannot_use_is_measured_over(tmp_path, measurements, cont
     (tmp_path / "kernel_choice.json").write_text(content.replace("KEY", key))
     rows = kernel_choice.tune_f32_kernel_rows(model)
     assert measurements == [10] and _entries(tmp_path)[key]["rows"] == rows
-    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS)
+    assert rows in (0, DEFAULT, *kernel_choice.CANDIDATE_ROWS)
 
 
 def test_the_measurement_stops_at_the_first_row_count_the_kernel_does_not_win():
@@ -201,8 +204,10 @@ def test_small_models_and_the_override_take_no_measurement(tmp_path, measurement
     forced = _packed_layers(10, 1024, 1024)
     assert kernel_choice.tune_f32_kernel_rows(forced) == 11 and _rows_of(forced) == {11}
     assert measurements == [] and not (tmp_path / "kernel_choice.json").exists()
+    monkeypatch.setenv(kernel_choice.OVERRIDE_ENV, "0")  # the packed GEMM at every row count
+    assert kernel_choice.tune_f32_kernel_rows(forced) == 0 and _rows_of(forced) == {0}
     monkeypatch.setenv(kernel_choice.OVERRIDE_ENV, "99")
-    with pytest.raises(ValueError, match=f"{kernel_choice.OVERRIDE_ENV}: a row count from 1 to"):
+    with pytest.raises(ValueError, match=f"{kernel_choice.OVERRIDE_ENV}: a row count from 0 to"):
         kernel_choice.kept_f32_kernel_rows(forced)
 
 
@@ -212,7 +217,7 @@ def test_an_unwritable_cache_still_chooses(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(blocker / "cache"))  # under a file: mkdir fails
     model = _packed_layers(10, 1024, 1024)
     rows = kernel_choice.tune_f32_kernel_rows(model)
-    assert rows in (DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
+    assert rows in (0, DEFAULT, *kernel_choice.CANDIDATE_ROWS) and _rows_of(model) == {rows}
 
 
 def test_a_layer_takes_the_kernel_up_to_its_own_rows(monkeypatch):
@@ -228,6 +233,10 @@ def test_a_layer_takes_the_kernel_up_to_its_own_rows(monkeypatch):
     calls.clear()
     torch.testing.assert_close(llama.project(x, layer), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
     assert calls == ["c"]
+    layer.f32_kernel_rows = 0  # the packed GEMM at every row count, one row included
+    calls.clear()
+    torch.testing.assert_close(llama.project(x[:1], layer), x[:1] @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    assert calls == ["onednn"]
 
 
 def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_path, monkeypatch, measurements):
@@ -276,7 +285,7 @@ def test_the_gemm_benchmark_times_every_kernel_on_the_models_projections(tmp_pat
     f32_gemm.main(["--rows", "2", "40", "--repeats", "1", "--layers", "1", "--result-json", str(out)])
     result = json.loads(out.read_text())
     few, many = result["results"]
-    names = {"MKL packed": "mkl", "oneDNN packed": "onednn"}
+    names = {"MKL packed": "mkl", "oneDNN packed": "onednn", "pagedserve packed": "pagedserve"}
     packed = {f"{name}_s" for name, gemm in names.items() if gemm in llama.F32_GEMMS}
     assert set(few) == {"rows", "torch.mm_s", "C kernel_s", *packed} and few["rows"] == 2
     assert set(many) == {"rows", "torch.mm_s", *packed} and many["rows"] == 40  # beyond the C kernel's rows

@@ -1,18 +1,19 @@
-"""How a model's fp32 linear layers multiply on this machine, measured per machine: which packed
-GEMM they run (MKL's or oneDNN's, `llama.F32_GEMMS`), and up to how many rows they run the C
-weight kernel rather than that GEMM (`f32_kernel_rows` on each packed layer and on the model for
-its LM head, read by `linear` and `lm_head` in workers/models/llama.py; F32_KERNEL_ROWS there is
-the default). The crossover's figures below were taken against oneDNN ("oneDNN" for the packed
-GEMM).
+"""How a model's fp32 linear layers multiply on this machine, measured per machine: which packed GEMM
+they run (MKL's, oneDNN's or pagedserve's own, kernels/cpu/packed_gemm.c: `llama.F32_GEMMS`), and up
+to how many rows they run the C weight kernel rather than that GEMM (`f32_kernel_rows` on each
+packed layer and on the model for its LM head, read by `linear` and `lm_head` in
+workers/models/llama.py; F32_KERNEL_ROWS there is the default). The crossover's figures below were
+taken against oneDNN ("oneDNN" for the packed GEMM).
 
 Why the GEMM is measured: each library is the faster on some CPUs. SmolLM2's 30 layers of
 projections, 2 threads, MKL packed against oneDNN packed: on a Xeon with AVX-512 64 rows 46.7
-against 64.3 ms (kernels/cpu/mkl_packed.py); on an AMD EPYC (Zen 3, AVX2; benchmarks/f32_gemm.py)
-16 rows 64.4 against 39.3 ms, 32 rows 88.3 / 60.0, 64 rows 149.9 / 108.5, 256 rows 368.4 / 372.0,
-2,048 rows 2,573 / 2,789. The two are compared at GEMM_ROWS, a decode batch's row counts beyond the C
-kernel's, where a serving engine spends most of its steps; the other GEMM replaces the default
-(MKL's where torch has it) only where it wins by MARGIN, and then the layers are packed again for
-it (`llama.repack_f32`).
+against 64.3 ms (kernels/cpu/mkl_packed.py); on an AMD EPYC (Zen 3, AVX2; benchmarks/f32_gemm.py) 16
+rows 64.4 against 39.3 ms, 32 rows 88.3 / 60.0, 64 rows 149.9 / 108.5, 256 rows 368.4 / 372.0, 2,048
+rows 2,573 / 2,789; there pagedserve's own took 8 rows 23.0 ms against oneDNN's 29.6, 48 rows 65.2 /
+86.3 (random weights, kernels/cpu/packed_gemm.py). They are compared at GEMM_ROWS, a decode batch's
+row counts beyond the C kernel's, where a serving engine spends most of its steps; another GEMM
+replaces the default (MKL's where torch has it) only where it wins by MARGIN, and then the layers
+are packed again for it (`llama.repack_f32`).
 
 Why measured: the crossover is the CPU's. The C kernel streams each weight once for all of a
 step's rows (kernels/cpu/weight_gemv.c); oneDNN's GEMM wins once there are rows enough to fill its
@@ -26,11 +27,13 @@ the C kernel leads there at every count it takes (SmolLM2's first 128 MiB: 12 ro
 9.14 ms, 16 rows 7.84 against 9.60).
 
 How: on the model's own weights (its first linear layers, up to MEASURED_BYTES, more than most
-CPUs' caches hold, so that they stream from memory as a step's weights do), first the two GEMMs
-(the other's packing of those layers made for the measurement and dropped after), then the C
+CPUs' caches hold, so that they stream from memory as a step's weights do), first the GEMMs
+(the others' packings of those layers made for the measurement and dropped after), then the C
 kernel against the chosen GEMM at each of CANDIDATE_ROWS in turn, the best of REPEATS rounds each
 (the sides alternating within a round). A row count is taken only where the C kernel wins by
-MARGIN, and the first it does not win ends the search. The LM head takes the same GEMM and count
+MARGIN, and the first it does not win ends the search; where it loses at one row, the crossover
+is 0: the packed GEMM takes every row count (on that AMD EPYC pagedserve's GEMM took 1 row in 13.4
+ms against the C kernel's 16.0, 4 rows 18.4 / 20.5). The LM head takes the same GEMM and count
 (it is not measured apart). The answer is kept on disk, keyed by the CPU, the thread count, the
 kernel's source, the GEMMs torch has and the layers' shapes, under a lock: later starts read it
 before their first step, and every process of the machine runs the same kernels (a step's
@@ -64,20 +67,24 @@ from workers.models import llama
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_ROWS = (5, 6, 8, 12, 16)
+CANDIDATE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 GEMM_ROWS = (32, 128)
 MEASURED_BYTES = 128 << 20
 MIN_MODEL_BYTES = 32 << 20
 REPEATS = 5
 MARGIN = 0.05
 OVERRIDE_ENV = "PAGEDSERVE_F32_KERNEL_ROWS"
-GEMV_SOURCE = Path(kernels.cpu.__file__).with_name("weight_gemv.c")
+# The C kernels' sources: a change to either is measured again.
+KERNEL_SOURCES = tuple(Path(kernels.cpu.__file__).with_name(name) for name in ("weight_gemv.c", "packed_gemm.c"))
 
 
 def choose_rows(timings: dict[int, tuple[float, float]], default: int) -> int:
-    """The largest row count of the ascending run from the smallest where the C kernel beats
-    oneDNN by MARGIN; `default` where it loses the first. `timings`: rows -> (C, oneDNN) seconds."""
-    chosen = default
+    """The largest row count of the ascending run from the smallest where the C kernel beats the
+    packed GEMM by MARGIN; one less than the smallest where it loses that one (0: the GEMM takes
+    every row count); `default` where nothing was measured. `timings`: rows -> (C, GEMM) seconds."""
+    if not timings:
+        return default
+    chosen = min(timings) - 1
     for rows in sorted(timings):
         kernel, onednn = timings[rows]
         if kernel > onednn * (1 - MARGIN):
@@ -96,7 +103,7 @@ def choose_gemm(timings: dict[str, float], default: str) -> str:
 
 
 def _valid(rows) -> bool:
-    return type(rows) is int and 1 <= rows <= F32_GEMV_MAX_ROWS
+    return type(rows) is int and 0 <= rows <= F32_GEMV_MAX_ROWS
 
 
 def _valid_entry(entry) -> bool:
@@ -124,7 +131,7 @@ def _cpu_name() -> str:
 
 def _key(layers: list[nn.Linear]) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in layers})
-    kernel = hashlib.blake2b(GEMV_SOURCE.read_bytes(), digest_size=8).hexdigest()
+    kernel = hashlib.blake2b(b"".join(p.read_bytes() for p in KERNEL_SOURCES), digest_size=8).hexdigest()
     gemms = ",".join(llama.F32_GEMMS)  # the candidates
     text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemms}|{shapes}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
@@ -247,7 +254,7 @@ def _kept_rows(model: nn.Module, layers: list[nn.Linear]) -> int | None:
     override = os.environ.get(OVERRIDE_ENV)
     if override:
         if not override.isdigit() or not _valid(int(override)):
-            raise ValueError(f"{OVERRIDE_ENV}: a row count from 1 to {F32_GEMV_MAX_ROWS}, got {override!r}")
+            raise ValueError(f"{OVERRIDE_ENV}: a row count from 0 to {F32_GEMV_MAX_ROWS}, got {override!r}")
         return _apply(model, layers, int(override))
     if sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
         return _apply(model, layers, llama.F32_KERNEL_ROWS)

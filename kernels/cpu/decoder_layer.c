@@ -1,5 +1,5 @@
 /* A decoder layer's work on either side of its attention, for a step of fp32 rows (a decode
- * step's, or any step's where the projections have MKL-packed weights): two C calls a layer in
+ * step's, or any step's where the projections have packed weights C can call): two C calls a layer in
  * place of ~20 Python-level operations (the norms, the four projections, the two rotary passes,
  * the cache writes, the gated activation, the splits and reshapes between them).
  *
@@ -9,9 +9,10 @@
  * loop of its own.
  *
  * Every step calls the very kernels the Python path calls (their pointers are handed in:
- * weight_gemv.c's f32_gemv_f32 and int8_gemv_f32, MKL's cblas_sgemm_compute beyond the step's
- * kernel_rows, elementwise.c's add_rms_norm_f32, rope_f32 and silu_mul_f32), on the same inputs
- * in the same layouts, so the results are bit for bit the Python path's. */
+ * weight_gemv.c's f32_gemv_f32 and int8_gemv_f32; beyond the step's kernel_rows the packed GEMM,
+ * MKL's cblas_sgemm_compute or packed_gemm.c's packed_gemm_f32_cblas; elementwise.c's
+ * add_rms_norm_f32, rope_f32 and silu_mul_f32), on the same inputs in the same layouts, so the
+ * results are bit for bit the Python path's. */
 #include <stdint.h>
 #include <string.h>
 
@@ -28,7 +29,8 @@ typedef void (*rope_fn)(float *out, const float *x, int64_t x_row, int64_t x_hea
                         int num_threads);
 typedef void (*silu_fn)(float *out, const float *gate_up, int64_t g_row, int64_t g_col, int64_t rows,
                         int64_t inter, int num_threads);
-/* cblas_sgemm_compute (LP64 MKL: int arguments), on a weight packed by cblas_sgemm_pack. */
+/* cblas_sgemm_compute (LP64 MKL: int arguments), on a weight packed by cblas_sgemm_pack; or
+ * packed_gemm.c's entry point of the same type, on a weight in its panels. */
 typedef void (*packed_gemm_fn)(int layout, int transa, int transb, int m, int n, int k, const float *a, int lda,
                                const void *b, int ldb, float beta, float *c, int ldc);
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_PACKED = 151 };
@@ -39,7 +41,7 @@ struct kernels {
     rope_fn rope;
     silu_fn silu_mul;
     gemv_int8_fn gemv_int8;
-    packed_gemm_fn packed_gemm;  /* NULL where torch has no MKL */
+    packed_gemm_fn packed_gemm;  /* the GEMM the layers' packed weights are for; NULL: none */
 };
 
 /* One layer's weights, each contiguous [out, in]: fp32, or int8 where the projection has a scale
@@ -53,7 +55,7 @@ struct layer {
     const void *gate_up, *down;
     float *cache;  /* this layer's [blocks, 2, block_size, kv_heads, head_dim] slice of the KV cache */
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
-    /* The fp32 projections' MKL-packed copies (NULL: none), for rows beyond the step's kernel_rows. */
+    /* The fp32 projections' packed copies (NULL: none), for rows beyond the step's kernel_rows. */
     const void *qkv_packed, *o_packed, *gate_up_packed, *down_packed;
 };
 

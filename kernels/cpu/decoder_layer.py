@@ -1,9 +1,9 @@
 """The decoder layers of a step of fp32 rows (a few, or any number where the fp32 projections carry
-MKL-packed weights), with fp32 or int8 projections, in two C calls each
-(kernels/cpu/decoder_layer.c): one before the attention (residual add, norm, QKV, rotary, cache
-writes), one after it (output projection, residual add, norm, MLP). The attention itself stays
-the backend's, so a step of any kind (decodes, a speculative step's drafts, prompt chunks) can
-take this path.
+weights packed for a GEMM C can call: MKL's or kernels/cpu/packed_gemm.c's), with fp32 or int8
+projections, in two C calls each (kernels/cpu/decoder_layer.c): one before the attention (residual
+add, norm, QKV, rotary, cache writes), one after it (output projection, residual add, norm, MLP).
+The attention itself stays the backend's, so a step of any kind (decodes, a speculative step's
+drafts, prompt chunks) can take this path.
 
     layers = FusedLayers.of(list(model.layers))  # None where the layers do not qualify
     step = layers.step(residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows)
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu
-from kernels.cpu import mkl_packed
+from kernels.cpu import mkl_packed, packed_gemm
 
 _SOURCE = Path(__file__).with_name("decoder_layer.c")
 _P = ctypes.c_void_p
@@ -33,7 +33,7 @@ class _Kernels(ctypes.Structure):
 
 
 # _Layer's tensors, in its field order, around the cache's pointer (which comes after the first 7),
-# then the projections' MKL-packed weights.
+# then the projections' packed weights.
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 _SCALES = ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")
 _PACKED = ("qkv_packed", "o_packed", "gate_up_packed", "down_packed")
@@ -65,7 +65,7 @@ def _functions() -> tuple[ctypes.CDLL, _Kernels, int | None] | None:
     lib.decoder_decode_step_f32.restype = None
     lib.decoder_decode_step_f32.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float]
     table = _Kernels(ctypes.cast(gemv.f32_gemv_f32, _P), *(ctypes.cast(fn, _P) for fn in elementwise),
-                     ctypes.cast(gemv_int8.int8_gemv_f32, _P), mkl_packed.compute_address())
+                     ctypes.cast(gemv_int8.int8_gemv_f32, _P), None)  # packed_gemm: set per step
     attention = cpu.load()
     return lib, table, None if attention is None else ctypes.cast(attention.paged_decode_attention_f32, _P).value
 
@@ -96,8 +96,8 @@ class FusedLayers:
         self._addresses: tuple = ()
         self._structs = None  # one C array of _Layer, one per layer
         # int8 projections take the C kernel up to cpu.GEMV_MAX_ROWS rows, fp32 ones up to the
-        # model's crossover, or any number where they all have an MKL-packed copy for the rows
-        # beyond (LlamaForCausalLM._fusable).
+        # model's crossover, or any number where they all have a packed copy C can call for the
+        # rows beyond (LlamaForCausalLM._fusable).
         self.all_int8 = all(getattr(m, "weight_scale", None) is not None for m in self._projections)
         # The fp32 projections, whose crossover the model checks at each step (a weight keeps its
         # kind; a buffer's absence is slow to ask nn.Module about, ~1 us a projection).
@@ -117,9 +117,9 @@ class FusedLayers:
 
     @property
     def all_packed(self) -> bool:
-        """Whether every projection has an MKL-packed weight for the C path to call (read live:
-        a weight may be repacked or unpacked after the layers were judged)."""
-        return self._table.packed_gemm is not None and all(_mkl_packed(m) is not None for m in self._projections)
+        """Whether every projection has a weight packed for one GEMM the C path can call (read
+        live: a weight may be repacked or unpacked after the layers were judged)."""
+        return _packed_gemm_entry([_callable_packed(m) for m in self._projections]) is not None
 
     @classmethod
     def of(cls, layers) -> FusedLayers | None:
@@ -152,7 +152,7 @@ class FusedLayers:
         may have moved since the last (workers/huge_pages.py re-points them between steps); the
         structs are rebuilt only when one has."""
         scales = (m._buffers.get("weight_scale") for m in self._projections)
-        packed = (_mkl_packed(m) for m in self._projections)
+        packed = [_callable_packed(m) for m in self._projections]
         addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
                      *(None if t is None else t.data_ptr() for t in self._tensors),
                      *(None if t is None else t.data_ptr() for t in scales),
@@ -167,20 +167,36 @@ class FusedLayers:
                 _Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k],
                        *packed[i * k:(i + 1) * k])
                 for i in range(len(self.layers))))
+            self._table.packed_gemm = _packed_gemm_entry([_callable_packed(m) for m in self._projections])
             self._addresses = addresses
         return self._structs
 
     def step(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
              slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, kernel_rows: int) -> FusedStep:
         """`kernel_rows`: up to how many rows the fp32 projections take the C kernel (the model's
-        crossover), beyond it their MKL-packed weight."""
+        crossover), beyond it their packed weight."""
         return FusedStep(self, residual, cos, sin, kv_cache, slot_blocks, slot_offsets, kernel_rows)
 
 
-def _mkl_packed(projection) -> mkl_packed.PackedWeight | None:
-    """The projection's MKL-packed fp32 weight, if `pack_weights` gave it one."""
+# The packed weights C can multiply by, each with its GEMM's cblas_sgemm_compute-typed entry point.
+_C_CALLABLE = {mkl_packed.PackedWeight: mkl_packed.compute_address,
+               packed_gemm.PackedWeight: packed_gemm.compute_address}
+
+
+def _callable_packed(projection) -> mkl_packed.PackedWeight | packed_gemm.PackedWeight | None:
+    """The projection's fp32 weight packed for a GEMM C can call, if `pack_weights` gave it one."""
     packed = getattr(projection, "packed_weight", None)
-    return packed if isinstance(packed, mkl_packed.PackedWeight) else None
+    return packed if type(packed) in _C_CALLABLE else None
+
+
+def _packed_gemm_entry(packed: list) -> int | None:
+    """The entry point of the one GEMM every weight of `packed` is packed for; None where one is
+    not packed for C, or they are packed for different GEMMs."""
+    kinds = {type(p) for p in packed}
+    if len(kinds) != 1:
+        return None
+    entry = _C_CALLABLE.get(kinds.pop())
+    return None if entry is None else entry()
 
 
 def layer_shape(layer) -> tuple[int, int, int, int, int, float]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels.cpu import (F32_GEMV_MAX_ROWS, GEMV_MAX_ROWS, add_rms_norm, bf16_dot_linear, bf16_linear, f32_linear,
                          int8_linear, rope, silu_mul)
-from kernels.cpu import amx_gemm, mkl_packed
+from kernels.cpu import amx_gemm, mkl_packed, packed_gemm
 from kernels.cpu.decoder_layer import FusedLayers
 from kernels.cpu.decoder_layer_bf16 import Bf16Layers
 from workers.kv_cache import available_memory
@@ -77,7 +77,7 @@ def _mkldnn_f32() -> bool:
         return False
 
 
-PACK_F32 = mkl_packed.available() or _mkldnn_f32()
+PACK_F32 = mkl_packed.available() or _mkldnn_f32() or packed_gemm.available()
 
 
 def onednn_rows(rows: int) -> int:
@@ -110,37 +110,47 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) on the GEMM W was packed for by `pack_weights`: MKL's (fp32, where torch
-    has it) or oneDNN's."""
+    """x @ W^T (+ bias) on the GEMM W was packed for by `pack_weights`: for fp32 MKL's, the C
+    kernel's or oneDNN's; for bf16 oneDNN's."""
     if isinstance(packed, mkl_packed.PackedWeight):
         return mkl_packed.linear(x, packed, bias)
+    if isinstance(packed, packed_gemm.PackedWeight):
+        return packed_gemm.linear(x, packed, bias)
     return onednn_linear(x, packed, bias)
 
 
-# The packed GEMMs fp32 layers can run on: MKL's where torch exports it, oneDNN's. Which is faster
-# is the CPU's: on a Xeon with AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows,
-# kernels/cpu/mkl_packed.py); on an AMD EPYC (AVX2) oneDNN's, 1.4-2.3x MKL's at 4-64 rows. MKL's
-# is the default, and a worker measures which its machine runs (workers/kernel_choice.py).
-F32_GEMMS = ("mkl",) * mkl_packed.available() + ("onednn",) * _mkldnn_f32()
+# The packed GEMMs fp32 layers can run on: MKL's where torch exports it, oneDNN's, and
+# pagedserve's own C kernel (kernels/cpu/packed_gemm.c). Which is fastest is the CPU's: on a Xeon
+# with AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows, kernels/cpu/mkl_packed.py); on an
+# AMD EPYC (AVX2) the C kernel's, 1.2-1.3x oneDNN's at 8-64 rows, which was 1.4-2.3x MKL's at 4-64.
+# MKL's is the default, and a worker measures which its machine runs (workers/kernel_choice.py).
+F32_GEMMS = (("mkl",) * mkl_packed.available() + ("onednn",) * _mkldnn_f32()
+             + ("pagedserve",) * packed_gemm.available())
 DEFAULT_F32_GEMM = F32_GEMMS[0] if F32_GEMMS else None
 
 
 def _pack(weight: torch.Tensor, f32_gemm: str | None = None):
     """`weight` packed once for its GEMM: fp32 for `f32_gemm` (DEFAULT_F32_GEMM unless given),
-    MKL's layout or oneDNN's; bf16 for oneDNN's."""
-    if weight.dtype == torch.float32 and (f32_gemm or DEFAULT_F32_GEMM) == "mkl":
-        return mkl_packed.PackedWeight(weight)
+    MKL's layout, the C kernel's panels or oneDNN's; bf16 for oneDNN's."""
+    if weight.dtype == torch.float32:
+        f32_gemm = f32_gemm or DEFAULT_F32_GEMM
+        if f32_gemm == "mkl":
+            return mkl_packed.PackedWeight(weight)
+        if f32_gemm == "pagedserve":
+            return packed_gemm.PackedWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
 def f32_gemm_of(packed) -> str:
     """Which GEMM an fp32 weight was packed for."""
-    return "mkl" if isinstance(packed, mkl_packed.PackedWeight) else "onednn"
+    if isinstance(packed, mkl_packed.PackedWeight):
+        return "mkl"
+    return "pagedserve" if isinstance(packed, packed_gemm.PackedWeight) else "onednn"
 
 
 def repack_f32(model: nn.Module, f32_gemm: str) -> int:
-    """Re-pack every fp32 layer's packed weight (and the LM head's) for `f32_gemm` ("mkl" or
-    "onednn", one of F32_GEMMS); returns the weights re-packed (0 where all were packed for it)."""
+    """Re-pack every fp32 layer's packed weight (and the LM head's) for `f32_gemm` (one of
+    F32_GEMMS); returns the weights re-packed (0 where all were packed for it)."""
     if f32_gemm not in F32_GEMMS:
         raise ValueError(f"f32_gemm: one of {F32_GEMMS}, got {f32_gemm!r}")
     done = 0
@@ -503,8 +513,9 @@ class LlamaForCausalLM(nn.Module):
     def _fused_rows(self, fused: FusedLayers) -> int:
         """The most rows a step may have on the C path and still take, in every projection, the
         kernel `project` would: int8 projections their C kernel (to GEMV_MAX_ROWS); fp32 ones the
-        C kernel up to the model's crossover (which C is told) and MKL's packed GEMM beyond it,
-        where all have a packed copy, else only up to the crossover. 0 where an fp32 projection's
+        C kernel up to the model's crossover (which C is told) and the packed GEMM beyond it,
+        where all have a copy packed for one GEMM C can call (MKL's or kernels/cpu/packed_gemm.c's),
+        else only up to the crossover. 0 where an fp32 projection's
         own crossover differs from the model's: the Python path alone then runs."""
         if fused.all_int8:
             return GEMV_MAX_ROWS
@@ -512,7 +523,7 @@ class LlamaForCausalLM(nn.Module):
         if any(getattr(m, "f32_kernel_rows", F32_KERNEL_ROWS) != kernel_rows for m in fused.fp32_projections):
             return 0
         if kernel_rows <= F32_GEMV_MAX_ROWS and fused.all_packed:
-            return mkl_packed.MAX_ROWS
+            return min(mkl_packed.MAX_ROWS, packed_gemm.MAX_ROWS)
         return min(kernel_rows, F32_GEMV_MAX_ROWS)
 
     def _fused_forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:

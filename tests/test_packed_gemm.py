@@ -1,0 +1,123 @@
+"""pagedserve's packed fp32 GEMM (kernels/cpu/packed_gemm.c): its results against torch's at every
+kind of shape its tiling cuts (row remainders of a register tile and of an L2 chunk, a last panel
+of fewer channels, k beyond one L1 block), on one thread and several, the AVX-512 build's tiling
+too, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import pickle
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kernels.cpu import packed_gemm
+
+pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the packed GEMM kernel did not build")
+
+
+def _expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).float()
+
+
+# rows: none, under one register tile (6 on AVX2, 12 on AVX-512), a tile and a remainder, beyond an
+# L2 chunk (144 / 288 rows) with a remainder; n_out: under one panel, a panel and a remainder,
+# SmolLM2's; k_in: under, at and beyond one L1 block (256).
+@pytest.mark.parametrize("rows", [0, 1, 5, 13, 64, 301])
+@pytest.mark.parametrize("n_out,k_in", [(7, 33), (80, 256), (203, 300), (960, 576)])
+def test_the_packed_product_equals_torchs(rows, n_out, k_in):
+    torch.manual_seed(rows * 7 + n_out)
+    w, x, bias = torch.randn(n_out, k_in), torch.randn(rows, k_in), torch.randn(n_out)
+    packed = packed_gemm.PackedWeight(w)
+    got = packed_gemm.linear(x, packed)
+    assert got.shape == (rows, n_out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _expected(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed_gemm.linear(x, packed, bias), _expected(x, w) + bias, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_gives_the_same_bits(threads):
+    """Threads split the output channels, never a sum: each output is one thread's, in one order."""
+    torch.manual_seed(3)
+    w, x = torch.randn(500, 600), torch.randn(50, 600)
+    packed = packed_gemm.PackedWeight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = packed_gemm.linear(x, packed)
+        torch.set_num_threads(threads)
+        assert torch.equal(packed_gemm.linear(x, packed), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_packed_copy_is_its_own_and_may_be_copied_and_pickled():
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 32), torch.randn(20, 32)
+    packed = packed_gemm.PackedWeight(w)
+    expected = packed_gemm.linear(x, packed)
+    w.zero_()  # the plain weight changed (or freed) afterwards: the packed copy is its own
+    assert torch.equal(packed_gemm.linear(x, packed), expected)
+    for other in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert other.data_ptr() != packed.data_ptr() and torch.equal(packed_gemm.linear(x, other), expected)
+
+
+def test_a_non_contiguous_input_is_read_as_its_values():
+    torch.manual_seed(1)
+    w = torch.randn(40, 64)
+    x = torch.randn(64, 33).t()  # [33, 64], strided
+    torch.testing.assert_close(packed_gemm.linear(x, packed_gemm.PackedWeight(w)), _expected(x.contiguous(), w),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_wrong_inputs_are_refused_by_name():
+    packed = packed_gemm.PackedWeight(torch.randn(40, 64))
+    with pytest.raises(ValueError, match=r"x: \[rows <= \d+, 64\] fp32"):
+        packed_gemm.linear(torch.randn(3, 65), packed)
+    with pytest.raises(ValueError, match=r"x: \[rows <= \d+, 64\] fp32"):
+        packed_gemm.linear(torch.randn(3, 64, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="weight: a 2-d fp32 CPU tensor"):
+        packed_gemm.PackedWeight(torch.randn(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="weight: a 2-d fp32 CPU tensor"):
+        packed_gemm.PackedWeight(torch.randn(64))
+
+
+def test_the_cblas_typed_entry_point_honours_its_strides():
+    """decoder_layer.c calls the GEMM through cblas_sgemm_compute's type: lda and ldc are kept."""
+    torch.manual_seed(2)
+    w, x = torch.randn(40, 24), torch.randn(9, 30)
+    packed = packed_gemm.PackedWeight(w)
+    out = torch.full((9, 50), 7.0)
+    entry = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 6, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                             ctypes.c_float, ctypes.c_void_p, ctypes.c_int)(packed_gemm.compute_address())
+    entry(101, 111, 151, 9, 40, 24, x.data_ptr(), 30, packed.data_ptr(), 24, 0.0, out.data_ptr(), 50)
+    torch.testing.assert_close(out[:, :40], _expected(x[:, :24].contiguous(), w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[:, 40:], torch.full((9, 10), 7.0))  # beyond n: untouched
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the wide variant")
+def test_the_avx512_tiling_computes_the_same_products(tmp_path):
+    """The AVX-512 build's tiles (16-float vectors: 12 rows x 32 channels) can be run on any x86 CPU
+    by building at that width with the machine's own instructions (GCC splits the vectors): its
+    loops, not the instructions, are what this checks."""
+    lib_path = tmp_path / "packed_gemm_w16.so"
+    subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-DPACKED_GEMM_W=16",
+                    str(packed_gemm._SOURCE), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = i64, [i64, i64]
+    lib.packed_f32_panel_width.restype = i64
+    lib.pack_f32_panels.argtypes = [ptr, ptr, i64, i64]
+    lib.packed_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    assert lib.packed_f32_panel_width() == 32
+    torch.manual_seed(4)
+    for rows, n_out, k_in in [(1, 7, 33), (11, 40, 300), (25, 70, 256), (300, 97, 513)]:
+        w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
+        packed = torch.empty(lib.packed_f32_size(n_out, k_in))
+        lib.pack_f32_panels(packed.data_ptr(), w.data_ptr(), n_out, k_in)
+        out = torch.empty(rows, n_out)
+        lib.packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), rows, n_out, k_in, 2)
+        torch.testing.assert_close(out, _expected(x, w), rtol=1e-5, atol=1e-4)
