@@ -86,8 +86,8 @@ def choose_rows(timings: dict[int, tuple[float, float]], default: int) -> int:
         return default
     chosen = min(timings) - 1
     for rows in sorted(timings):
-        kernel, onednn = timings[rows]
-        if kernel > onednn * (1 - MARGIN):
+        kernel, gemm = timings[rows]
+        if kernel > gemm * (1 - MARGIN):
             break
         chosen = rows
     return chosen

@@ -152,11 +152,11 @@ class FusedLayers:
         may have moved since the last (workers/huge_pages.py re-points them between steps); the
         structs are rebuilt only when one has."""
         scales = (m._buffers.get("weight_scale") for m in self._projections)
-        packed = [_callable_packed(m) for m in self._projections]
+        packings = [_callable_packed(m) for m in self._projections]
         addresses = (kv_cache.data_ptr(), kv_cache.stride(1) * kv_cache.element_size(),
                      *(None if t is None else t.data_ptr() for t in self._tensors),
                      *(None if t is None else t.data_ptr() for t in scales),
-                     *(None if t is None else t.data_ptr() for t in packed))
+                     *(None if t is None else t.data_ptr() for t in packings))
         if addresses != self._addresses:
             base, layer_bytes = addresses[:2]
             n, k = len(_WEIGHTS), len(_SCALES)
@@ -167,7 +167,7 @@ class FusedLayers:
                 _Layer(*weights[i * n:(i + 1) * n], base + i * layer_bytes, *scales[i * k:(i + 1) * k],
                        *packed[i * k:(i + 1) * k])
                 for i in range(len(self.layers))))
-            self._table.packed_gemm = _packed_gemm_entry([_callable_packed(m) for m in self._projections])
+            self._table.packed_gemm = _packed_gemm_entry(packings)
             self._addresses = addresses
         return self._structs
 

@@ -110,8 +110,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) on the GEMM W was packed for by `pack_weights`: for fp32 MKL's, the C
-    kernel's or oneDNN's; for bf16 oneDNN's."""
+    """x @ W^T (+ bias) on the GEMM W was packed for by `pack_weights`: for fp32 MKL's,
+    pagedserve's (kernels/cpu/packed_gemm.c) or oneDNN's; for bf16 oneDNN's."""
     if isinstance(packed, mkl_packed.PackedWeight):
         return mkl_packed.linear(x, packed, bias)
     if isinstance(packed, packed_gemm.PackedWeight):
@@ -120,9 +120,9 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> 
 
 
 # The packed GEMMs fp32 layers can run on: MKL's where torch exports it, oneDNN's, and
-# pagedserve's own C kernel (kernels/cpu/packed_gemm.c). Which is fastest is the CPU's: on a Xeon
-# with AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows, kernels/cpu/mkl_packed.py); on an
-# AMD EPYC (AVX2) the C kernel's, 1.2-1.3x oneDNN's at 8-64 rows, which was 1.4-2.3x MKL's at 4-64.
+# pagedserve's own (kernels/cpu/packed_gemm.c). Which is fastest is the CPU's: on a Xeon with
+# AVX-512 MKL's (1.3-1.4x oneDNN at a decode batch's rows, kernels/cpu/mkl_packed.py); on an AMD
+# EPYC (AVX2) pagedserve's, 1.2-1.4x oneDNN's at 1-64 rows, which was 1.4-2.3x MKL's at 4-64.
 # MKL's is the default, and a worker measures which its machine runs (workers/kernel_choice.py).
 F32_GEMMS = (("mkl",) * mkl_packed.available() + ("onednn",) * _mkldnn_f32()
              + ("pagedserve",) * packed_gemm.available())
@@ -131,7 +131,7 @@ DEFAULT_F32_GEMM = F32_GEMMS[0] if F32_GEMMS else None
 
 def _pack(weight: torch.Tensor, f32_gemm: str | None = None):
     """`weight` packed once for its GEMM: fp32 for `f32_gemm` (DEFAULT_F32_GEMM unless given),
-    MKL's layout, the C kernel's panels or oneDNN's; bf16 for oneDNN's."""
+    MKL's layout, pagedserve's panels or oneDNN's; bf16 for oneDNN's."""
     if weight.dtype == torch.float32:
         f32_gemm = f32_gemm or DEFAULT_F32_GEMM
         if f32_gemm == "mkl":
