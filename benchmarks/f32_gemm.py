@@ -30,22 +30,17 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from benchmarks.bf16_gemm import MODEL, projection_shapes, timed  # noqa: E402
-from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, mkl_packed, packed_gemm  # noqa: E402
+from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear  # noqa: E402
 from workers.models import llama  # noqa: E402
 
 
 def kernels_for(weights: list[torch.Tensor]) -> dict[str, Callable]:
     """name -> (x, i) -> x @ weights[i]^T, for every fp32 GEMM this torch has."""
     kernels = {}
-    if mkl_packed.available():
-        mkl = [mkl_packed.PackedWeight(w) for w in weights]
-        kernels["MKL packed"] = lambda x, i: mkl_packed.linear(x, mkl[i])
-    if "onednn" in llama.F32_GEMMS:
-        onednn = [llama._pack(w, "onednn") for w in weights]
-        kernels["oneDNN packed"] = lambda x, i: llama.onednn_linear(x, onednn[i])
-    if packed_gemm.available():
-        panels = [packed_gemm.PackedWeight(w) for w in weights]
-        kernels["pagedserve packed"] = lambda x, i: packed_gemm.linear(x, panels[i])
+    for name, gemm in (("MKL packed", "mkl"), ("oneDNN packed", "onednn"), ("pagedserve packed", "pagedserve")):
+        if gemm in llama.F32_GEMMS:
+            packed = [llama._pack(w, gemm) for w in weights]
+            kernels[name] = lambda x, i, packed=packed: llama.packed_linear(x, packed[i])
     kernels["torch.mm"] = lambda x, i: torch.mm(x, weights[i].t())
     kernels["C kernel"] = lambda x, i: f32_linear(x, weights[i])  # None beyond its rows
     return kernels

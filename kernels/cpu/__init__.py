@@ -119,6 +119,23 @@ def _load_gemv(symbol: str) -> ctypes.CDLL | None:
     return _library(_GEMV_SOURCE, symbol, (ctypes.c_void_p,) * 3 + scale + (ctypes.c_int64,) * 3 + (ctypes.c_int,))
 
 
+def packable_f32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` detached and contiguous, for a packed fp32 GEMM (kernels/cpu/mkl_packed.py,
+    kernels/cpu/packed_gemm.py); ValueError unless it is a 2-d fp32 CPU tensor."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"weight: a 2-d fp32 CPU tensor, got {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    return weight.detach().contiguous()
+
+
+def packed_gemm_input(x: torch.Tensor, k_in: int, max_rows: int) -> torch.Tensor:
+    """`x` contiguous, for a packed fp32 GEMM of `k_in` inputs; ValueError unless it is
+    [rows <= max_rows, k_in] fp32."""
+    if x.dim() != 2 or x.shape[1] != k_in or x.dtype != torch.float32 or x.shape[0] > max_rows:
+        raise ValueError(f"x: [rows <= {max_rows}, {k_in}] fp32, got {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
+
+
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from kernels import cpu
+
 # cblas' enumerations (mkl_cblas.h).
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
 
@@ -76,10 +78,7 @@ class PackedWeight:
         lib = _library()
         if lib is None:
             raise RuntimeError("this torch build exports no MKL packed GEMM (kernels.cpu.mkl_packed.available())")
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"weight: a 2-d fp32 CPU tensor, got {weight.dtype} {tuple(weight.shape)} "
-                             f"on {weight.device}")
-        weight = weight.detach().contiguous()
+        weight = cpu.packable_f32_weight(weight)
         self.n_out, self.k_in = weight.shape
         size = lib.cblas_sgemm_pack_get_size(B_MATRIX, PACK_ROWS, self.n_out, self.k_in)
         self.buffer = torch.empty(size, dtype=torch.uint8)
@@ -97,9 +96,7 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for a 2-d fp32 `x` (any row count), W packed in `packed`."""
-    if x.dim() != 2 or x.shape[1] != packed.k_in or x.dtype != torch.float32 or x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x: [rows <= {MAX_ROWS}, {packed.k_in}] fp32, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
+    x = cpu.packed_gemm_input(x, packed.k_in, MAX_ROWS)
     rows = x.shape[0]
     out = torch.empty(rows, packed.n_out, dtype=torch.float32)
     if rows:

@@ -58,10 +58,7 @@ class PackedWeight:
         lib = _library()
         if lib is None:
             raise RuntimeError("the packed GEMM kernel did not build (kernels.cpu.packed_gemm.available())")
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"weight: a 2-d fp32 CPU tensor, got {weight.dtype} {tuple(weight.shape)} "
-                             f"on {weight.device}")
-        weight = weight.detach().contiguous()
+        weight = cpu.packable_f32_weight(weight)
         self.n_out, self.k_in = weight.shape
         self.buffer = torch.empty(lib.packed_f32_size(self.n_out, self.k_in), dtype=torch.float32)
         lib.pack_f32_panels(self.buffer.data_ptr(), weight.data_ptr(), self.n_out, self.k_in)
@@ -72,9 +69,7 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for a 2-d fp32 `x` (any row count), W packed in `packed`."""
-    if x.dim() != 2 or x.shape[1] != packed.k_in or x.dtype != torch.float32 or x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x: [rows <= {MAX_ROWS}, {packed.k_in}] fp32, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
+    x = cpu.packed_gemm_input(x, packed.k_in, MAX_ROWS)
     out = torch.empty(x.shape[0], packed.n_out, dtype=torch.float32)
     if x.shape[0]:
         _library().packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0], packed.n_out,
