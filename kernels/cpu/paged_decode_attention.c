@@ -112,11 +112,13 @@ INLINE void weighted_values(float *o, const float *p, const void *kv, const int3
 #if defined(__AVX512F__)
 #define W 16
 #define VALUE_HEADS(D) ((D) <= 64 ? 4 : 2) /* accumulators: at most 16 of the 32 vector registers */
+#define VALUE_PASSES(D) 1                  /* values_tile's passes over a block's tokens */
 #define sumw sum16
 #else
 #define W 8
 #define VJ(D) 4
 #define VALUE_HEADS(D) 2
+#define VALUE_PASSES(D) ((D) / W / VJ(D))
 #define sumw sum8
 #endif
 typedef float vf __attribute__((vector_size(4 * W)));
@@ -145,54 +147,51 @@ INLINE vf loadw(const void *kv, int64_t i, const int bf16) {
 #endif
 }
 
-/* Block b's K and V lines, asked for into L2 while the block before it computes: a layer's block
- * is a few KB of the cache, the next one a whole block's layers away, and the hardware's
- * prefetcher stops at each page it has not seen. The lines go a slice per query head and key
- * during the scores (`prefetch_step`, `parts` calls a block), one or two lines at a time between
- * the loads. Asked for all at once and into L1 (the first form), the next block's 24 KB (SmolLM2,
- * fp32) evicted the block being read and stalled the loads behind a burst of misses: 30 layers of
- * 64 decodes of 300 tokens (Xeon, 2 threads) 64.0 -> 57.4 ms, 16 of 350 17.8 -> 15.5, 4 of 1,200
- * 14.2 -> 12.6; a bf16 cache 40.2 -> 33.3 (64 x 300). Into L2 in bursts of a part per head (the
- * second form), then sliced per key: 64 x 300 46.0-49.1 -> 44.4-44.9 ms, 16 x 350 13.7 -> 12.5,
- * 4 x 1,200 11.4 -> 10.3 (4 KiB pages), a bf16 cache even. Each slice's bounds were two int64
- * divisions a call, which took a third of the kernel's samples (perf annotate): a running
- * remainder now spreads the lines over the calls alike, with no division (16 decodes of 22-595
- * tokens, 30 layers, 2 threads: an fp32 cache 8.5-8.7 -> 7.9-8.0 ms, bf16 6.1-6.3 -> 4.4-4.6). */
+/* Software prefetch of the lines a pass will read next, into L2, spread over the pass before it:
+ * while a block's scores read its K, its V is asked for, and while its values read V, the next
+ * block's K (a layer's block is a few KB of the cache, the next one a whole block's layers away,
+ * and the hardware's prefetcher stops at each page it has not seen). `parts` calls to
+ * prefetch_step ask for `lines` lines between them, a running remainder spreading them with no
+ * division (two int64 divisions a call once took a third of the kernel's samples).
+ * History: asked for all at once and into L1 (the first form), the next block's K and V (24 KB,
+ * SmolLM2, fp32) evicted the block being read and stalled the loads behind a burst of misses:
+ * 30 layers of 64 decodes of 300 tokens (Xeon, 2 threads) 64.0 -> 57.4 ms. Then into L2, both of
+ * the next block's K and V during the first W keys of the scores: on a Xeon 46.0-49.1 -> 44.4-44.9
+ * ms. On an AMD EPYC (Zen 3, AVX2: 32 KB L1, a score vector of 8 keys) that schedule left the
+ * kernel at 13-16 GB/s where a plain walk of the same blocks reads 25-28; spread over all the
+ * scores' keys, then split as here (V during the scores, the next K during the values, at most
+ * one block in flight), best of 15 alternated runs: 64 x 300 56.6 -> 44.9 ms, 16 x 350 17.6 ->
+ * 13.1, 4 x 1,200 14.1 -> 10.5, 64 x 100 22.5 -> 17.7. Which prefetch level made no difference. */
 typedef struct {
-    const char *k, *v;  /* the block's K and V lines */
+    const char *line; /* the run's first line */
     int64_t lines, parts, done, remainder;
 } Prefetch;
 
-INLINE Prefetch prefetch_start(const void *kv, const int32_t *table, int64_t b, int64_t len, const Shape *sh,
-                               const int bf16, int64_t parts) {
-    Prefetch p = {NULL, NULL, 0, parts, 0, 0};
-    const int64_t t0 = b * sh->block_size, elem = bf16 ? 2 : 4;
-    if (t0 >= len) return p;  /* no block b: nothing to fetch */
-    const int64_t n = len - t0 < sh->block_size ? len - t0 : sh->block_size;
-    p.k = (const char *)kv + (int64_t)table[b] * sh->s_block * elem;
-    p.v = p.k + sh->s_kv * elem;
-    p.lines = (n * sh->s_tok * elem + 63) / 64;
+/* The run of `bytes` at `start`, in `parts` calls; an empty one where `start` is NULL. */
+INLINE Prefetch prefetch_run(const char *start, int64_t bytes, int64_t parts) {
+    Prefetch p = {start, start ? (bytes + 63) / 64 : 0, parts, 0, 0};
     return p;
 }
 
-/* Call j of `parts` asks for lines [j * lines / parts, (j + 1) * lines / parts) of K and of V. */
+/* Call j of `parts` asks for lines [j * lines / parts, (j + 1) * lines / parts). */
 INLINE void prefetch_step(Prefetch *p) {
-    for (p->remainder += p->lines; p->remainder >= p->parts; p->remainder -= p->parts, ++p->done) {
-        __builtin_prefetch(p->k + 64 * p->done, 0, 1); /* locality 1: L2 (x86's prefetcht2) */
-        __builtin_prefetch(p->v + 64 * p->done, 0, 1);
-    }
+    for (p->remainder += p->lines; p->remainder >= p->parts; p->remainder -= p->parts, ++p->done)
+        __builtin_prefetch(p->line + 64 * p->done, 0, 1); /* locality 1: L2 (x86's prefetcht2) */
 }
 
 /* o_h += sum_t p_h[t] v_t over one block's n tokens for RT query heads h0.. of one KV head (head
  * h's weights at p + h * p_stride): the RT heads' outputs stay in registers (without AVX-512,
- * VJ(D) vectors of each at a time), each V row (piece) is loaded once for them. */
+ * VJ(D) vectors of each at a time), each V row (piece) is loaded once for them. A step of `ahead`
+ * per token and pass over the tokens (VALUE_PASSES(D) of them). */
 INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, int64_t n, int64_t s_tok,
-                        int64_t p_stride, int64_t h0, const int RT, const int64_t D, const int bf16) {
+                        int64_t p_stride, int64_t h0, const int RT, const int64_t D, const int bf16,
+                        Prefetch *ahead) {
 #if defined(__AVX512F__)
     vf acc[4][MAX_D / W]; /* fixed sizes: registers once RT and D are constants */
     for (int r = 0; r < RT; ++r)
         for (int64_t j = 0; j < D / W; ++j) acc[r][j] = loadu(o + (h0 + r) * D + W * j);
     for (int64_t i = 0; i < n; ++i) {
+        prefetch_step(ahead);
         vf v[MAX_D / W];
         for (int64_t j = 0; j < D / W; ++j) v[j] = loadw(kv, v0 + i * s_tok + W * j, bf16);
         for (int r = 0; r < RT; ++r) {
@@ -208,6 +207,7 @@ INLINE void values_tile(float *o, const float *p, const void *kv, int64_t v0, in
         for (int r = 0; r < RT; ++r)
             for (int64_t j = 0; j < VJ(D); ++j) acc[r][j] = loadu(o + (h0 + r) * D + W * (j0 + j));
         for (int64_t i = 0; i < n; ++i) {
+            prefetch_step(ahead);
             vf v[VJ(D)];
             for (int64_t j = 0; j < VJ(D); ++j) v[j] = loadw(kv, v0 + i * s_tok + W * (j0 + j), bf16);
             for (int r = 0; r < RT; ++r) {
@@ -248,13 +248,21 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
     const int q_bf16 = bf16 && bf16_exact(q, H * D);
     const int tile = VALUE_HEADS(D);
+    const int64_t elem = bf16 ? 2 : 4;
     float mx[H], sum[H];
     for (int64_t h = 0; h < H; ++h) mx[h] = -3.0e38f, sum[h] = 0.f; /* finite: see softmax_rows */
     for (int64_t d = 0; d < H * D; ++d) o[d] = 0.f;
     for (int64_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
         const int64_t block = (int64_t)table[b] * sh->s_block;
         const int64_t n = len - t0 < bs ? len - t0 : bs;
-        Prefetch next = prefetch_start(kv, table, b + 1, len, sh, bf16, H * W);
+        const char *k_next = t0 + bs < len ? (const char *)kv + (int64_t)table[b + 1] * sh->s_block * elem : NULL;
+        const int64_t n_next = len - t0 - bs < bs ? len - t0 - bs : bs;
+        /* The scores step once per head and key (their last group padded to W), the values once
+         * per token, tile and pass. */
+        Prefetch v_ahead = prefetch_run((const char *)kv + (block + sh->s_kv) * elem, n * sh->s_tok * elem,
+                                        H * ((n + W - 1) / W) * W);
+        Prefetch k_ahead = prefetch_run(k_next, n_next * sh->s_tok * elem,
+                                        sh->num_kv_heads * ((rep + tile - 1) / tile) * n * VALUE_PASSES(D));
         for (int64_t i0 = 0; i0 < n; i0 += W) {
             const int64_t m = n - i0 < W ? n - i0 : W;
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
@@ -268,7 +276,7 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                             qb[j] = _mm512_cvtne2ps_pbh((__m512)loadu(q + h * D + 32 * j + 16),
                                                         (__m512)loadu(q + h * D + 32 * j));
                         for (int64_t i = 0; i < W; ++i) {
-                            if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
+                            prefetch_step(&v_ahead);
                             __m512 p = _mm512_setzero_ps();
                             if (i < m) {
                                 const uint16_t *k = (const uint16_t *)kv + k0 + i * sh->s_tok;
@@ -283,7 +291,7 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                         vf qv[MAX_D / W];
                         for (int64_t j = 0; j < D / W; ++j) qv[j] = loadu(q + h * D + W * j);
                         for (int64_t i = 0; i < W; ++i) {
-                            if (i0 == 0) prefetch_step(&next); /* the next block's, a slice per head and key */
+                            prefetch_step(&v_ahead);
                             vf p = {0};
                             if (i < m)
                                 for (int64_t j = 0; j < D / W; ++j)
@@ -315,10 +323,10 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             for (int64_t r0 = 0; r0 < rep; r0 += tile) {
                 const int64_t h0 = g * rep + r0;
                 switch (rep - r0 < tile ? rep - r0 : tile) {
-                case 1: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 1, D, bf16); break;
-                case 2: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 2, D, bf16); break;
-                case 3: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 3, D, bf16); break;
-                default: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 4, D, bf16); break;
+                case 1: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 1, D, bf16, &k_ahead); break;
+                case 2: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 2, D, bf16, &k_ahead); break;
+                case 3: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 3, D, bf16, &k_ahead); break;
+                default: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 4, D, bf16, &k_ahead); break;
                 }
             }
         }
