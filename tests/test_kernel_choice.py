@@ -15,7 +15,7 @@ from pagedserve import LLM, SamplingParams
 from workers import kernel_choice
 from workers.models import llama
 
-pytestmark = pytest.mark.skipif(not llama.PACK_F32, reason="torch has no oneDNN fp32 GEMM here")
+pytestmark = pytest.mark.skipif(not llama.PACK_F32, reason="no packed fp32 GEMM here (MKL, oneDNN or pagedserve's)")
 DEFAULT = llama.F32_KERNEL_ROWS
 
 

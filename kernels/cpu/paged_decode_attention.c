@@ -246,7 +246,9 @@ INLINE int bf16_exact(const float *x, int64_t n) {
 INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
                        float *scores, const Shape *sh, const int64_t D, const int bf16) {
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
+#if defined(__AVX512BF16__)
     const int q_bf16 = bf16 && bf16_exact(q, H * D);
+#endif
     const int tile = VALUE_HEADS(D);
     const int64_t elem = bf16 ? 2 : 4;
     float mx[H], sum[H];

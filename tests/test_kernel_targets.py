@@ -1,0 +1,64 @@
+"""Every C kernel compiles cleanly for the x86 targets it has branches for, not only for this CPU.
+
+The kernels choose their vector width and instructions at compile time (`#if __AVX512F__`,
+`__AVX512BF16__`, `__AMX_TILE__`): a machine without AVX-512 builds and tests only its AVX2
+branches, so an edit to the AVX-512 ones (a changed signature, a variable left unused) would first
+show on the machine that runs them. This compiles each source for each target without linking or
+running it: the branches' code is checked here, their results where they run.
+"""
+
+import os
+import platform
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import kernels.cpu
+
+SOURCES = sorted(Path(kernels.cpu.__file__).parent.glob("*.c"))
+# AVX-512 with AMX and bf16 (a Xeon Sapphire Rapids), AVX-512 without them (Ice Lake), AVX2 and
+# FMA only (this project's AMD EPYC, Zen 3), and SSE4 only (the kernels' scalar fallbacks).
+TARGETS = ("sapphirerapids", "icelake-server", "x86-64-v3", "x86-64-v2")
+COMPILER = shutil.which("gcc")
+
+pytestmark = pytest.mark.skipif(
+    COMPILER is None or platform.machine() not in ("x86_64", "AMD64"), reason="needs gcc for x86-64")
+
+
+def _compile_flags(target: str) -> list[str]:
+    # The build's own flags, for another CPU, as an object file; -Wno-psabi: sum16.h's 16-float
+    # helpers are inline, so the ABI note GCC gives for them without AVX-512 does not apply.
+    flags = [f for f in kernels.cpu._FLAGS if f not in ("-march=native", "-shared")]
+    return [*flags, f"-march={target}", "-Wall", "-Werror", "-Wno-psabi", "-c"]
+
+
+def test_the_sources_are_found():
+    names = {path.name for path in SOURCES}
+    assert {"paged_decode_attention.c", "paged_prefill_attention.c", "packed_gemm.c", "decoder_layer.c"} <= names
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_compiles_for_target(target, tmp_path):
+    def compile_one(source: Path) -> str | None:
+        command = [COMPILER, *_compile_flags(target), str(source), "-o", str(tmp_path / f"{source.stem}.o")]
+        result = subprocess.run(command, capture_output=True, text=True)
+        return None if result.returncode == 0 else f"{source.name}:\n{result.stderr[-1500:]}"
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        failures = [failure for failure in pool.map(compile_one, SOURCES) if failure]
+    assert not failures, f"-march={target}:\n" + "\n".join(failures)
+
+
+def test_a_broken_branch_fails_the_check(tmp_path):
+    # The check sees inside a branch this CPU does not take: an unused variable in an AVX-512-only
+    # block fails for the AVX-512 target and passes for AVX2.
+    source = tmp_path / "branch.c"
+    source.write_text("int f(int x) {\n#if defined(__AVX512F__)\n    int unused = x;\n#endif\n    return x;\n}\n")
+    outputs = {}
+    for target in ("sapphirerapids", "x86-64-v3"):
+        outputs[target] = subprocess.run([COMPILER, *_compile_flags(target), str(source), "-o", str(tmp_path / "b.o")],
+                                         capture_output=True, text=True).returncode
+    assert outputs == {"sapphirerapids": 1, "x86-64-v3": 0}
