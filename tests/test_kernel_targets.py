@@ -28,11 +28,13 @@ pytestmark = pytest.mark.skipif(
     COMPILER is None or platform.machine() not in ("x86_64", "AMD64"), reason="needs gcc for x86-64")
 
 
-def _compile_flags(target: str) -> list[str]:
-    # The build's own flags, for another CPU, as an object file; -Wno-psabi: sum16.h's 16-float
-    # helpers are inline, so the ABI note GCC gives for them without AVX-512 does not apply.
+def _compile(source: Path, target: str, out: Path) -> subprocess.CompletedProcess:
+    """`source` compiled for `target` to the object file `out`: the build's own flags, for another
+    CPU, with every warning an error; -Wno-psabi: sum16.h's 16-float helpers are inline, so the ABI
+    note GCC gives for them without AVX-512 does not apply."""
     flags = [f for f in kernels.cpu._FLAGS if f not in ("-march=native", "-shared")]
-    return [*flags, f"-march={target}", "-Wall", "-Werror", "-Wno-psabi", "-c"]
+    command = [COMPILER, *flags, f"-march={target}", "-Wall", "-Werror", "-Wno-psabi", "-c", str(source)]
+    return subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
 
 
 def test_the_sources_are_found():
@@ -43,8 +45,7 @@ def test_the_sources_are_found():
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_compiles_for_target(target, tmp_path):
     def compile_one(source: Path) -> str | None:
-        command = [COMPILER, *_compile_flags(target), str(source), "-o", str(tmp_path / f"{source.stem}.o")]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = _compile(source, target, tmp_path / f"{source.stem}.o")
         return None if result.returncode == 0 else f"{source.name}:\n{result.stderr[-1500:]}"
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -57,8 +58,6 @@ def test_a_broken_branch_fails_the_check(tmp_path):
     # block fails for the AVX-512 target and passes for AVX2.
     source = tmp_path / "branch.c"
     source.write_text("int f(int x) {\n#if defined(__AVX512F__)\n    int unused = x;\n#endif\n    return x;\n}\n")
-    outputs = {}
-    for target in ("sapphirerapids", "x86-64-v3"):
-        outputs[target] = subprocess.run([COMPILER, *_compile_flags(target), str(source), "-o", str(tmp_path / "b.o")],
-                                         capture_output=True, text=True).returncode
+    outputs = {target: _compile(source, target, tmp_path / "b.o").returncode
+               for target in ("sapphirerapids", "x86-64-v3")}
     assert outputs == {"sapphirerapids": 1, "x86-64-v3": 0}
