@@ -1,21 +1,25 @@
 """pagedserve's packed fp32 GEMM (kernels/cpu/packed_gemm.c): its results against torch's at every
 kind of shape its tiling cuts (row remainders of a register tile and of an L2 chunk, a last panel
 of fewer channels, k beyond one L1 block), on one thread and several, the AVX-512 build's tiling
-too, and its refusals."""
+too, the schedule's hand-over of panels between threads, and its refusals."""
 
 from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import pickle
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.cpu import packed_gemm
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the packed GEMM kernel did not build")
 
 
@@ -40,7 +44,8 @@ def test_the_packed_product_equals_torchs(rows, n_out, k_in):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_thread_count_gives_the_same_bits(threads):
-    """Threads split the output channels, never a sum: each output is one thread's, in one order."""
+    """Threads split the output channels, never a sum: each output is one thread's, in one order,
+    whichever thread takes it."""
     torch.manual_seed(3)
     w, x = torch.randn(500, 600), torch.randn(50, 600)
     packed = packed_gemm.PackedWeight(w)
@@ -52,6 +57,64 @@ def test_any_thread_count_gives_the_same_bits(threads):
         assert torch.equal(packed_gemm.linear(x, packed), alone)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_smaller_team_than_asked_for_still_computes_every_panel():
+    """Under OMP_THREAD_LIMIT=1 a call asking for 3 threads runs on one: the panels set aside for the
+    other two are taken from their backs by the one there is, the same products bit for bit."""
+    script = """
+import ctypes, torch
+from kernels.cpu import packed_gemm
+assert ctypes.CDLL("libgomp.so.1").omp_get_thread_limit() == 1
+torch.manual_seed(5)
+w, x = torch.randn(500, 600), torch.randn(50, 600)
+packed = packed_gemm.PackedWeight(w)
+torch.set_num_threads(1)
+alone = packed_gemm.linear(x, packed)
+out = torch.empty(50, 500)
+packed_gemm._library().packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), 50, 500, 600, 3)
+assert torch.equal(out, alone), (out - alone).abs().max()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_THREAD_LIMIT": "1"}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def _build_variant(tmp_path, name: str, *defines: str) -> ctypes.CDLL:
+    """packed_gemm.c built with `defines`, its entry points typed."""
+    lib_path = tmp_path / f"packed_gemm_{name}.so"
+    subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", *defines,
+                    str(packed_gemm._SOURCE), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = i64, [i64, i64]
+    lib.packed_f32_panel_width.restype = i64
+    lib.pack_f32_panels.argtypes = [ptr, ptr, i64, i64]
+    lib.packed_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    return lib
+
+
+def _variant_product(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
+    (rows, k_in), n_out = x.shape, w.shape[0]
+    packed = torch.empty(lib.packed_f32_size(n_out, k_in))
+    lib.pack_f32_panels(packed.data_ptr(), w.data_ptr(), n_out, k_in)
+    out = torch.empty(rows, n_out)
+    lib.packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), rows, n_out, k_in, threads)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the variant")
+def test_passes_beyond_one_group_of_shares_run_in_order(tmp_path):
+    """Built with room for 4 shares, a call runs its passes a group at a time (one or two passes
+    with 3 or 2 threads): every row chunk, each panel whole or, for a k_in too long for L2, one k
+    block a pass, the next adding to the last."""
+    lib = _build_variant(tmp_path, "few_shares", "-DPACKED_GEMM_MAX_SHARES=4")
+    torch.manual_seed(6)
+    for rows, n_out, k_in in [(301, 100, 1000), (50, 203, 600), (400, 20, 300)]:
+        w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
+        for threads in (1, 2, 3):
+            torch.testing.assert_close(_variant_product(lib, x, w, threads), _expected(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_the_packed_copy_is_its_own_and_may_be_copied_and_pickled():
@@ -103,21 +166,9 @@ def test_the_avx512_tiling_computes_the_same_products(tmp_path):
     """The AVX-512 build's tiles (16-float vectors: 12 rows x 32 channels) can be run on any x86 CPU
     by building at that width with the machine's own instructions (GCC splits the vectors): its
     loops, not the instructions, are what this checks."""
-    lib_path = tmp_path / "packed_gemm_w16.so"
-    subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-DPACKED_GEMM_W=16",
-                    str(packed_gemm._SOURCE), "-o", str(lib_path)], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = i64, [i64, i64]
-    lib.packed_f32_panel_width.restype = i64
-    lib.pack_f32_panels.argtypes = [ptr, ptr, i64, i64]
-    lib.packed_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib = _build_variant(tmp_path, "w16", "-DPACKED_GEMM_W=16")
     assert lib.packed_f32_panel_width() == 32
     torch.manual_seed(4)
     for rows, n_out, k_in in [(1, 7, 33), (11, 40, 300), (25, 70, 256), (300, 97, 513)]:
         w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
-        packed = torch.empty(lib.packed_f32_size(n_out, k_in))
-        lib.pack_f32_panels(packed.data_ptr(), w.data_ptr(), n_out, k_in)
-        out = torch.empty(rows, n_out)
-        lib.packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), rows, n_out, k_in, 2)
-        torch.testing.assert_close(out, _expected(x, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(_variant_product(lib, x, w, 2), _expected(x, w), rtol=1e-5, atol=1e-4)

@@ -8,7 +8,8 @@
  * 32) and, per k, loads NR weights, broadcasts MR activations and issues MR x NR / W FMAs.
  *
  * Blocking: a KC-long slice of a panel (16 KiB on AVX2) stays in L1 while every MR-row block of
- * an MC-row chunk of the activations (held in L2) runs against it. Threads split the panels.
+ * an MC-row chunk of the activations (held in L2) runs against it. Threads split the panels, a
+ * thread that finishes early taking the others' last ones (see `claim`).
  *
  * Why: on an AMD EPYC (Zen 3, AVX2, 2 cores) oneDNN's packed GEMM ran SmolLM2's decoder
  * projections at 100-120 GFLOP/s at a decode batch's 24-64 rows, against ~178 for its own
@@ -143,36 +144,100 @@ static inline void block(float *out, int64_t ldo, const float *x, int64_t ldx, c
         tile_any(mc - r, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols);
 }
 
-/* One thread's panels [p0, p1) against all `rows` rows (x's rows `ldx` floats apart, out's `ldo`). */
-static void gemm_panels(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, int64_t rows,
-                        int64_t n_out, int64_t k_in, int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += MC) {
-        const int64_t mc = rows - m0 < MC ? rows - m0 : MC;
-        if (mc * k_in * (int64_t)sizeof(float) <= PANEL_OUTER_BYTES) {
-            for (int64_t p = p0; p < p1; ++p)
-                for (int64_t k0 = 0; k0 < k_in; k0 += KC)
-                    block(out, ldo, x, ldx, packed, n_out, k_in, p, k0, k_in - k0 < KC ? k_in - k0 : KC, m0, mc);
-        } else {
-            for (int64_t k0 = 0; k0 < k_in; k0 += KC)
-                for (int64_t p = p0; p < p1; ++p)
-                    block(out, ldo, x, ldx, packed, n_out, k_in, p, k0, k_in - k0 < KC ? k_in - k0 : KC, m0, mc);
+/* Which panels a thread computes: each starts on an equal contiguous share of a pass's panels,
+ * claims them one at a time from the front, and once its own are done takes the other threads'
+ * from their backs. A share is one word (lo | hi << 32) on a cache line of its own, so a claim is
+ * an uncontended compare-and-swap until another thread comes to take from the back.
+ *
+ * Why: with a fixed split the step waits for the slower core. On a shared 2-core VM one core often
+ * ran slower than the other for a while: SmolLM2's 120 projections, 2 threads, summed over a pass,
+ * one thread finished 1-17 ms before the other at 32 rows (75-95 ms a pass) and 70-570 ms at 2,048
+ * rows (2.9-4.8 s). The same passes alternated against the fixed split, 9 each, median ms: 8 rows
+ * 31.2 -> 26.1, 32 rows 89.6 -> 79.5, 64 rows 173.4 -> 137.6; in moments when the cores ran
+ * evenly the two were alike (best of 15: 8 rows 18.8 / 18.7, 32 rows 46.3 / 44.3). The offline
+ * benchmark's workload in one engine, the two builds alternated: 66.7, 79.1, 76.0, 80.4 s against
+ * 60.5, 61.3, 62.3, 63.3 s, the same tokens. */
+typedef struct {
+    _Alignas(64) uint64_t range;
+    char pad[64 - sizeof(uint64_t)];
+} Share;
+
+static inline uint64_t share_range(int64_t lo, int64_t hi) { return (uint64_t)hi << 32 | (uint64_t)lo; }
+
+/* Claims the front (back = 0) or the back panel of `share`; 0 once it is empty. */
+static inline int claim(Share *share, int back, int64_t *panel) {
+    uint64_t r = __atomic_load_n(&share->range, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t lo = (uint32_t)r, hi = (uint32_t)(r >> 32);
+        if (lo >= hi) return 0;
+        const uint64_t next = back ? share_range(lo, hi - 1) : share_range(lo + 1, hi);
+        if (__atomic_compare_exchange_n(&share->range, &r, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *panel = back ? hi - 1 : lo;
+            return 1;
         }
     }
 }
+
+/* One pass over every panel: rows [m0, m0 + mc), k in [k0, k0 + kc) (the whole k_in when
+ * `kc` is 0, each panel's KC blocks in turn), its shares[0 .. n) set up by the caller. */
+static void pass(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, int64_t n_out,
+                 int64_t k_in, int64_t m0, int64_t mc, int64_t k0, int64_t kc, Share *shares, int t, int n) {
+    int64_t p;
+    for (int v = 0; v < n; ++v) {
+        Share *share = &shares[(t + v) % n];
+        while (claim(share, v != 0, &p)) {
+            if (kc)
+                block(out, ldo, x, ldx, packed, n_out, k_in, p, k0, kc, m0, mc);
+            else
+                for (int64_t k = 0; k < k_in; k += KC)
+                    block(out, ldo, x, ldx, packed, n_out, k_in, p, k, k_in - k < KC ? k_in - k : KC, m0, mc);
+        }
+    }
+}
+
+/* Shares on one call's stack: a group of passes' worth (passes x threads); more passes run in
+ * further groups. (A test builds it small to run many groups.) */
+#if !defined(PACKED_GEMM_MAX_SHARES)
+#define PACKED_GEMM_MAX_SHARES 256
+#endif
+#define MAX_SHARES PACKED_GEMM_MAX_SHARES
 
 static void gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, int64_t rows,
                  int64_t n_out, int64_t k_in, int num_threads) {
     const int64_t panels = (n_out + NR - 1) / NR;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads > MAX_SHARES) num_threads = MAX_SHARES;
+    /* Activation chunks of MC rows. Up to PANEL_OUTER_BYTES a chunk is one pass, each panel
+     * whole; beyond, one pass per KC block of k, the chunk's block cycled from L2 across panels. */
+    const int panel_outer = (rows < MC ? rows : MC) * k_in * (int64_t)sizeof(float) <= PANEL_OUTER_BYTES;
+    const int64_t per_chunk = panel_outer ? 1 : (k_in + KC - 1) / KC;
+    const int64_t passes = (rows + MC - 1) / MC * per_chunk, group = MAX_SHARES / num_threads;
+    Share shares[MAX_SHARES];
+    for (int64_t first = 0; first < passes; first += group) {
+        const int64_t last = first + group < passes ? first + group : passes;
+        for (int64_t i = 0; i < (last - first) * num_threads; ++i) {
+            const int t = (int)(i % num_threads);
+            shares[i].range = share_range(panels * t / num_threads, panels * (t + 1) / num_threads);
+        }
 #pragma omp parallel num_threads(num_threads)
-    {
-        int t = 0, n = 1;
+        {
+            int t = 0;
 #ifdef _OPENMP
-        t = omp_get_thread_num();
-        n = omp_get_num_threads();
+            t = omp_get_thread_num();
 #endif
-        gemm_panels(out, ldo, x, ldx, packed, rows, n_out, k_in, panels * t / n, panels * (t + 1) / n);
+            /* A smaller team than asked for still covers every share: each thread ends by taking
+             * from the back of all of them. */
+            for (int64_t i = first; i < last; ++i) {
+                const int64_t m0 = i / per_chunk * MC, kb = i % per_chunk;
+                const int64_t kc = panel_outer ? 0 : (k_in - kb * KC < KC ? k_in - kb * KC : KC);
+                pass(out, ldo, x, ldx, packed, n_out, k_in, m0, rows - m0 < MC ? rows - m0 : MC, kb * KC, kc,
+                     &shares[(i - first) * num_threads], t, num_threads);
+                if (kb + 1 < per_chunk) {
+#pragma omp barrier
+                }  /* the chunk's next k block adds to this one's output */
+            }
+        }
     }
 }
 
