@@ -117,6 +117,17 @@ def test_passes_beyond_one_group_of_shares_run_in_order(tmp_path):
             torch.testing.assert_close(_variant_product(lib, x, w, threads), _expected(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the variant")
+def test_the_fixed_split_build_computes_the_same_products(tmp_path):
+    """benchmarks/gemm_imbalance.py's baseline, each thread on its own share only, is a whole GEMM
+    with the team it asks for."""
+    lib = _build_variant(tmp_path, "fixed_split", "-DPACKED_GEMM_STEAL=0")
+    torch.manual_seed(7)
+    for rows, n_out, k_in in [(64, 960, 576), (301, 100, 1000)]:
+        w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
+        torch.testing.assert_close(_variant_product(lib, x, w, 2), _expected(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_the_packed_copy_is_its_own_and_may_be_copied_and_pickled():
     torch.manual_seed(0)
     w, x = torch.randn(48, 32), torch.randn(20, 32)

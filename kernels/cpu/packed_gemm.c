@@ -178,12 +178,18 @@ static inline int claim(Share *share, int back, int64_t *panel) {
     }
 }
 
+/* 0: each thread computes its own share only, the fixed split the schedule replaced, which
+ * benchmarks/gemm_imbalance.py builds to compare (it needs the whole team asked for). */
+#if !defined(PACKED_GEMM_STEAL)
+#define PACKED_GEMM_STEAL 1
+#endif
+
 /* One pass over every panel: rows [m0, m0 + mc), k in [k0, k0 + kc) (the whole k_in when
  * `kc` is 0, each panel's KC blocks in turn), its shares[0 .. n) set up by the caller. */
 static void pass(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, int64_t n_out,
                  int64_t k_in, int64_t m0, int64_t mc, int64_t k0, int64_t kc, Share *shares, int t, int n) {
     int64_t p;
-    for (int v = 0; v < n; ++v) {
+    for (int v = 0; v < (PACKED_GEMM_STEAL ? n : 1); ++v) {
         Share *share = &shares[(t + v) % n];
         while (claim(share, v != 0, &p)) {
             if (kc)
