@@ -146,8 +146,9 @@ static inline void block(float *out, int64_t ldo, const float *x, int64_t ldx, c
 
 /* Which panels a thread computes: each starts on an equal contiguous share of a pass's panels,
  * claims them one at a time from the front, and once its own are done takes the other threads'
- * from their backs. A share is one word (lo | hi << 32) on a cache line of its own, so a claim is
- * an uncontended compare-and-swap until another thread comes to take from the back.
+ * from their backs. A share is one word (lo | hi << 32: a weight has far fewer than 2^32 panels)
+ * on a cache line of its own, so a claim is an uncontended compare-and-swap until another thread
+ * comes to take from the back.
  *
  * Why: with a fixed split the step waits for the slower core. On a shared 2-core VM one core often
  * ran slower than the other for a while: SmolLM2's 120 projections, 2 threads, summed over a pass,
