@@ -10,7 +10,7 @@ kernels/cpu/packed_gemm.c (the fixed split is `-DPACKED_GEMM_STEAL=0`) run one p
 layer's four projections (QKV, O, gate/up, down; random fp32 weights of the model's shapes) on
 all of torch's threads, alternated `--repeats` times; the median and best pass of each, ms.
 
-    .venv/bin/python benchmarks/gemm_imbalance.py                  # SmolLM2's shapes, ~3 minutes
+    .venv/bin/python benchmarks/gemm_imbalance.py                  # SmolLM2's shapes, ~1-2 minutes
     .venv/bin/python benchmarks/gemm_imbalance.py --rows 32 --repeats 5
 """
 
