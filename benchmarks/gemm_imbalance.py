@@ -21,9 +21,7 @@ import ctypes
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,20 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.bf16_gemm import MODEL, projection_shapes, timed  # noqa: E402
 from benchmarks.offline_throughput import write_json  # noqa: E402
-from kernels import cpu  # noqa: E402
 from kernels.cpu import packed_gemm  # noqa: E402
 
-BUILDS = {"fixed split": ["-DPACKED_GEMM_STEAL=0"], "handed over": []}
-
-
-def build(defines: list[str], out: Path) -> ctypes.CDLL:
-    subprocess.run(["gcc", *cpu._FLAGS, *defines, str(packed_gemm._SOURCE), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = i64, [i64, i64]
-    lib.pack_f32_panels.argtypes = [ptr, ptr, i64, i64]
-    lib.packed_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    return lib
+BUILDS = {"fixed split": ("-DPACKED_GEMM_STEAL=0",), "handed over": ()}
 
 
 def hog(core: int, on_s: float, off_s: float) -> None:
@@ -92,39 +79,37 @@ def main(argv=None) -> None:
     hf_config = load_hf_config(resolve_model(MODEL))
     shapes = projection_shapes(hf_config) * hf_config.num_hidden_layers
     flops_per_row = 2 * sum(n * k for n, k in shapes)
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {name: build(defines, Path(tmp) / f"packed_gemm_{i}.so")
-                for i, (name, defines) in enumerate(BUILDS.items())}
-        results = []
-        for condition in ("cores to itself", "one core shared"):
-            hogger = None
-            if condition == "one core shared":
-                hogger = multiprocessing.Process(target=hog, daemon=True,
-                                                 args=(os.cpu_count() - 1, args.hog_on_ms / 1e3, args.hog_off_ms / 1e3))
-                hogger.start()
-            try:
-                for rows in args.rows:
-                    runs = {name: passes(lib, shapes, rows, threads) for name, lib in libs.items()}
-                    for run in runs.values():
-                        run()  # warm: pages touched, the thread pool up
-                    times = {name: [] for name in runs}
-                    for _ in range(args.repeats):
-                        for name, run in runs.items():
-                            times[name].append(timed(run) * 1e3)
-                    row = {"condition": condition, "rows": rows,
-                           **{name: {"median_ms": statistics.median(t), "best_ms": min(t),
-                                     "median_gflops": flops_per_row * rows / statistics.median(t) / 1e6}
-                              for name, t in times.items()}}
-                    fixed, handed = row["fixed split"], row["handed over"]
-                    row["fixed_over_handed_median"] = fixed["median_ms"] / handed["median_ms"]
-                    results.append(row)
-                    print(f"{condition:16} {rows:5d} rows: fixed split {fixed['median_ms']:8.2f} ms (best "
-                          f"{fixed['best_ms']:.2f}), handed over {handed['median_ms']:8.2f} "
-                          f"(best {handed['best_ms']:.2f}): {row['fixed_over_handed_median']:.2f}x", flush=True)
-            finally:
-                if hogger is not None:
-                    hogger.kill()
-                    hogger.join()
+    libs = {name: packed_gemm.build_variant(*defines) for name, defines in BUILDS.items()}
+    results = []
+    for condition in ("cores to itself", "one core shared"):
+        hogger = None
+        if condition == "one core shared":
+            hogger = multiprocessing.Process(target=hog, daemon=True,
+                                             args=(os.cpu_count() - 1, args.hog_on_ms / 1e3, args.hog_off_ms / 1e3))
+            hogger.start()
+        try:
+            for rows in args.rows:
+                runs = {name: passes(lib, shapes, rows, threads) for name, lib in libs.items()}
+                for run in runs.values():
+                    run()  # warm: pages touched, the thread pool up
+                times = {name: [] for name in runs}
+                for _ in range(args.repeats):
+                    for name, run in runs.items():
+                        times[name].append(timed(run) * 1e3)
+                row = {"condition": condition, "rows": rows,
+                       **{name: {"median_ms": statistics.median(t), "best_ms": min(t),
+                                 "median_gflops": flops_per_row * rows / statistics.median(t) / 1e6}
+                          for name, t in times.items()}}
+                fixed, handed = row["fixed split"], row["handed over"]
+                row["fixed_over_handed_median"] = fixed["median_ms"] / handed["median_ms"]
+                results.append(row)
+                print(f"{condition:16} {rows:5d} rows: fixed split {fixed['median_ms']:8.2f} ms (best "
+                      f"{fixed['best_ms']:.2f}), handed over {handed['median_ms']:8.2f} "
+                      f"(best {handed['best_ms']:.2f}): {row['fixed_over_handed_median']:.2f}x", flush=True)
+        finally:
+            if hogger is not None:
+                hogger.kill()
+                hogger.join()
     write_json({"model": MODEL, "threads": threads, "cpu_count": os.cpu_count(), "repeats": args.repeats,
                 "hog_on_ms": args.hog_on_ms, "hog_off_ms": args.hog_off_ms, "results": results}, args.result_json)
 

@@ -9,7 +9,6 @@ import copy
 import ctypes
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,20 +80,6 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-def _build_variant(tmp_path, name: str, *defines: str) -> ctypes.CDLL:
-    """packed_gemm.c built with `defines`, its entry points typed."""
-    lib_path = tmp_path / f"packed_gemm_{name}.so"
-    subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", *defines,
-                    str(packed_gemm._SOURCE), "-o", str(lib_path)], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = i64, [i64, i64]
-    lib.packed_f32_panel_width.restype = i64
-    lib.pack_f32_panels.argtypes = [ptr, ptr, i64, i64]
-    lib.packed_gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    return lib
-
-
 def _variant_product(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
     (rows, k_in), n_out = x.shape, w.shape[0]
     packed = torch.empty(lib.packed_f32_size(n_out, k_in))
@@ -104,12 +89,11 @@ def _variant_product(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, threads
     return out
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the variant")
-def test_passes_beyond_one_group_of_shares_run_in_order(tmp_path):
+def test_passes_beyond_one_group_of_shares_run_in_order():
     """Built with room for 4 shares, a call runs its passes a group at a time (one or two passes
     with 3 or 2 threads): every row chunk, each panel whole or, for a k_in too long for L2, one k
     block a pass, the next adding to the last."""
-    lib = _build_variant(tmp_path, "few_shares", "-DPACKED_GEMM_MAX_SHARES=4")
+    lib = packed_gemm.build_variant("-DPACKED_GEMM_MAX_SHARES=4")
     torch.manual_seed(6)
     for rows, n_out, k_in in [(301, 100, 1000), (50, 203, 600), (400, 20, 300)]:
         w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
@@ -117,11 +101,10 @@ def test_passes_beyond_one_group_of_shares_run_in_order(tmp_path):
             torch.testing.assert_close(_variant_product(lib, x, w, threads), _expected(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the variant")
-def test_the_fixed_split_build_computes_the_same_products(tmp_path):
+def test_the_fixed_split_build_computes_the_same_products():
     """benchmarks/gemm_imbalance.py's baseline, each thread on its own share only, is a whole GEMM
     with the team it asks for."""
-    lib = _build_variant(tmp_path, "fixed_split", "-DPACKED_GEMM_STEAL=0")
+    lib = packed_gemm.build_variant("-DPACKED_GEMM_STEAL=0")
     torch.manual_seed(7)
     for rows, n_out, k_in in [(64, 960, 576), (301, 100, 1000)]:
         w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
@@ -172,12 +155,11 @@ def test_the_cblas_typed_entry_point_honours_its_strides():
     assert torch.equal(out[:, 40:], torch.full((9, 10), 7.0))  # beyond n: untouched
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the wide variant")
-def test_the_avx512_tiling_computes_the_same_products(tmp_path):
+def test_the_avx512_tiling_computes_the_same_products():
     """The AVX-512 build's tiles (16-float vectors: 12 rows x 32 channels) can be run on any x86 CPU
     by building at that width with the machine's own instructions (GCC splits the vectors): its
     loops, not the instructions, are what this checks."""
-    lib = _build_variant(tmp_path, "w16", "-DPACKED_GEMM_W=16")
+    lib = packed_gemm.build_variant("-DPACKED_GEMM_W=16")
     assert lib.packed_f32_panel_width() == 32
     torch.manual_seed(4)
     for rows, n_out, k_in in [(1, 7, 33), (11, 40, 300), (25, 70, 256), (300, 97, 513)]:

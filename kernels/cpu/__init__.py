@@ -57,12 +57,15 @@ def _with_local_headers(source_path: Path) -> bytes:
     return source + b"".join(source_path.with_name(h.decode()).read_bytes() for h in headers)
 
 
-def _build(source_path: Path = _SOURCE) -> Path | None:
+def _build(source_path: Path = _SOURCE, defines: tuple[str, ...] = ()) -> Path | None:
+    """`source_path` compiled with _FLAGS and `defines` (`-DNAME=value`, for a kernel's variants
+    in tests and benchmarks) into the local cache, once per content; None without a compiler."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     source = _with_local_headers(source_path)
-    tag = hashlib.blake2b(source + compiler.encode() + " ".join(_FLAGS).encode(), digest_size=8).hexdigest()
+    flags = (*_FLAGS, *defines)
+    tag = hashlib.blake2b(source + compiler.encode() + " ".join(flags).encode(), digest_size=8).hexdigest()
     target = _cache_dir() / f"{source_path.stem}_{tag}.so"
     if target.exists():
         return target
@@ -70,7 +73,7 @@ def _build(source_path: Path = _SOURCE) -> Path | None:
     # Build to a temporary name, then rename: concurrent first uses never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"]
+    cmd = [compiler, *flags, str(source_path), "-o", tmp, "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("CPU kernel %s did not build (%s); using the torch path", source_path.name, result.stderr[-500:])

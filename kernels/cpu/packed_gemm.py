@@ -28,14 +28,31 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 MAX_ROWS = 2**31 - 1
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu._library(_SOURCE, "packed_gemm_f32", (_P, _P, _P, _I64, _I64, _I64, ctypes.c_int))
-    if lib is None:
-        return None
+_GEMM_ARGTYPES = (_P, _P, _P, _I64, _I64, _I64, ctypes.c_int)
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`'s entry points given their C signatures."""
+    lib.packed_gemm_f32.restype, lib.packed_gemm_f32.argtypes = None, list(_GEMM_ARGTYPES)
     lib.packed_f32_size.restype, lib.packed_f32_size.argtypes = _I64, [_I64, _I64]
     lib.pack_f32_panels.restype, lib.pack_f32_panels.argtypes = None, [_P, _P, _I64, _I64]
+    lib.packed_f32_panel_width.restype, lib.packed_f32_panel_width.argtypes = _I64, []
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu._library(_SOURCE, "packed_gemm_f32", _GEMM_ARGTYPES)
+    return None if lib is None else _typed(lib)
+
+
+def build_variant(*defines: str) -> ctypes.CDLL:
+    """packed_gemm.c built with `defines` (its compile-time knobs, e.g. `-DPACKED_GEMM_STEAL=0`)
+    beside the production build, typed alike: for tests and benchmarks that compare the two."""
+    path = cpu._build(_SOURCE, defines)
+    if path is None:
+        raise RuntimeError("the packed GEMM kernel did not build (no C compiler with OpenMP)")
+    return _typed(ctypes.CDLL(str(path)))
 
 
 def available() -> bool:
