@@ -146,6 +146,24 @@ def test_cpu_prefill_kernel_tiles_of_positions_heads_and_keys(heads, block_size,
     assert (meta.prefill_seqs is None) == declined and backend._prefill_in_c == (not declined)
 
 
+def test_cpu_prefill_kernel_keeps_the_softmax_exact_over_a_wide_range_of_scores():
+    """A large scale spreads a row's scores over hundreds: the kernel's inline exponential takes
+    exponents down to its floor, and the weights below it are 0 (e^-80 beside the maximum's 1)."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    results = []
+    for name in ("torch", "cpu"):
+        backend = kernels.get_backend(name, "cpu", torch.float32)
+        gen = torch.Generator().manual_seed(11)
+        cache, query, new_k, new_v, meta, _, _ = _random_batch(
+            gen, 16, [40, 23], [0, 50], num_heads=9, num_kv_heads=3, head_dim=64, backend=backend)
+        backend.write_kv(new_k, new_v, cache, meta)
+        results.append(backend.paged_attention(query, new_k, new_v, cache, meta, scale=4.0))
+    want, got = results
+    assert backend._prefill_in_c
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("head_dim", [64, 12])
 def test_cpu_backend_on_a_bf16_cache_gives_the_fp32_result_of_the_same_values(layout, head_dim):

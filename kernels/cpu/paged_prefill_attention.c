@@ -4,13 +4,14 @@
  *
  * Work is split into tiles: one KV head and up to TILE consecutive query positions of one
  * sequence, whose rows are those positions' `rep` query heads sharing that KV head (GQA), so a
- * K/V block read once serves TILE * rep rows. A tile walks its context block by block, KEYS keys
- * (a vector's width: 16, or 8 without AVX-512) at a time: the keys are transposed into [D][KEYS]
- * once, then every row's KEYS scores are one vector built by D broadcast FMAs (RT rows per pass
- * share each loaded key column); a running softmax per row (its maximum and sum so far, its
- * output rescaled when the maximum grows), then the block's V rows added into RTV rows'
- * accumulators at a time. Causality is a mask on the scores of the blocks the diagonal crosses;
- * blocks past a tile's last position are never read.
+ * K/V block read once serves TILE * rep rows. A tile transposes its rows' queries once, [D][rows],
+ * then walks its context block by block, KEYS keys at a time: a score vector holds W rows' scores
+ * for one key, built by D FMAs of a query column and a broadcast element of the key row as the
+ * cache holds it (2 row vectors x KB keys per pass); the running softmax (each row's maximum and
+ * sum so far, its output rescaled when the maximum grows) is then W rows at a time, its
+ * exponentials inline (vexp); then the block's V rows are added into a few rows' accumulators at
+ * a time. Causality is a mask on the scores of the groups the diagonal crosses; blocks past a
+ * tile's last position are never read.
  * Tiles go to OpenMP threads dynamically: causal tiles late in a prompt cost more than early ones.
  *
  * Why: torch's SDPA ran these shapes (SmolLM2: 9 query / 3 KV heads of 64, prompts of 20-600
@@ -34,25 +35,39 @@
 #define MAX_REP 8   /* query heads per KV head */
 #define MAX_D 128
 
-/* The vector width: a register's floats. With AVX-512, 16 keys per score vector, and the values
- * pass keeps 4 rows' whole output in registers (16 vectors at D = 64). Without it (AVX2: 16
- * registers of 8 floats) GCC lowered those 16-float vectors into pairs and spilled them to the
- * stack: the kernel ran at 9 GFLOP/s on an AMD EPYC's 2 cores (perf annotate: stack moves). There
- * a score vector holds 8 keys, the scores pass takes 8 rows (75 against 69 GFLOP/s with 4), and
- * the values pass 2 rows at a time, 32 of their output floats at a time (8 accumulators and 4 V
- * vectors in registers): 61-75 GFLOP/s. With AVX-512 the code compiles as it did before W. */
+/* The vector width: a register's floats. With AVX-512, the values pass keeps 4 rows' whole output
+ * in registers (16 vectors at D = 64). Without it (AVX2: 16 registers of 8 floats) GCC lowered
+ * 16-float vectors into pairs and spilled them to the stack (9 GFLOP/s on an AMD EPYC's 2 cores);
+ * there the values pass takes 2 rows at a time, 32 of their output floats at a time (8
+ * accumulators and 4 V vectors in registers), and a scores pass 2 row vectors x 4 keys.
+ *
+ * History (AMD EPYC, AVX2, 2 threads; /tmp harness: SmolLM2's 30 layers, alternated, median):
+ * the first form transposed each group of keys into [D][KEYS] for every tile that read it and
+ * ran the softmax a row at a time, with libmvec's expf, a call around which the loop's vector
+ * registers were saved. Transposing the queries instead (once per tile) and the softmax across
+ * rows, with libmvec's expf still: 0.81-0.84x. With vexp: 1.16-1.39x. Softmax steps of 16 keys
+ * instead of 8: 1.07-1.11x more. */
 #if defined(__AVX512F__)
 #define W 16
-#define RT 4                  /* rows per scores pass (and values pass) */
+#define KB 8                  /* keys per scores pass (of up to 2 row vectors) */
+#define RT 4                  /* rows per values pass */
 #else
 #define W 8
-#define RT 8
+#define KB 4
 #define RTV 2                 /* rows per values pass */
 #define VJ(D) 4               /* output vectors per row in a values pass */
 #endif
-#define KEYS W                /* keys per score vector */
+#define KEYS 16               /* keys per step of the running softmax (at most a block's) */
 
 typedef float vf __attribute__((vector_size(W * 4)));
+/* Keeps a vector in a register from here on, where it is one (an empty asm that "changes" it). */
+#if defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__AVX__)
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) (void)0
+#endif
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 #define NEG ((vf){0} - 3.0e38f) /* "minus infinity", finite: the build assumes no infinities */
 /* W floats read (written) at any float's address as one vector. A memcpy into a 16-float vector
@@ -61,6 +76,32 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef float vf_unaligned __attribute__((vector_size(W * 4), aligned(4)));
 INLINE vf loadv(const float *p) { return *(const vf_unaligned *)p; }
 INLINE void storev(float *p, vf v) { *(vf_unaligned *)p = v; }
+INLINE vf vmax(vf a, vf b) {
+    const vi a_wins = a > b;
+    return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
+}
+INLINE vf vmin(vf a, vf b) { return -vmax(-a, -b); }
+
+/* Exponents at or below this are a masked key's (its weight is 0) or a row's first maximum's
+ * correction, which scales zeros. */
+#define EXP_FLOOR -80.f
+
+/* e^x for x in [EXP_FLOOR, 0] (a softmax's exponents; clamped to it), W lanes inline: 2^n e^f,
+ * n = x / ln 2 rounded, |f| <= ln 2 / 2, e^f by Cephes' expf polynomial (about 1 ulp). Libmvec's
+ * vector expf is a call, around which every vector register the loop holds is saved. */
+INLINE vf vexp(vf x) {
+    x = vmin(vmax(x, (vf){0} + EXP_FLOOR), (vf){0});
+    const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* toward zero: round(x / ln 2) */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf f = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    return (p * f * f + f + 1.f) * (vf)((n + 127) << 23);
+}
 
 typedef struct {
     int64_t num_heads, num_kv_heads, block_size, s_block, s_kv, s_tok, s_head;
@@ -71,73 +112,97 @@ typedef struct {
     int32_t seq, head, first; /* sequence, KV head, first query index in the sequence */
 } Tile;
 
+/* Scores of RB row vectors (rows v0 * W ..) against KB keys at a time, i < kmax, into
+ * s[i * stride + r]: per d, RB loads of the transposed queries and KB broadcasts of a key's element
+ * feed RB x KB FMAs, the key rows read as the cache holds them. Keys at or past kmax in the last
+ * pass repeat key kmax - 1 and are not stored. */
+INLINE void scores_pass(float *s, const float *qt, const float *k0, int64_t s_tok, int64_t kmax, int64_t stride,
+                        int64_t v0, const int RB, const int64_t D) {
+    for (int64_t i0 = 0; i0 < kmax; i0 += KB) {
+        const float *key[KB];
+        for (int j = 0; j < KB; ++j) key[j] = k0 + (i0 + j < kmax ? i0 + j : kmax - 1) * s_tok;
+        vf a[2][KB];
+        for (int v = 0; v < RB; ++v)
+            for (int j = 0; j < KB; ++j) a[v][j] = (vf){0};
+        for (int64_t d = 0; d < D; ++d) {
+            vf q[2];
+            for (int v = 0; v < RB; ++v) {
+                q[v] = loadv(qt + d * stride + (v0 + v) * W);
+                IN_REGISTER(q[v]); /* GCC otherwise folded the load into each of the KB FMAs */
+            }
+            for (int j = 0; j < KB; ++j) {
+                const float kd = key[j][d];
+                for (int v = 0; v < RB; ++v) a[v][j] += q[v] * kd;
+            }
+        }
+        for (int j = 0; j < KB && i0 + j < kmax; ++j)
+            for (int v = 0; v < RB; ++v) storev(s + (i0 + j) * stride + (v0 + v) * W, a[v][j]);
+    }
+}
+
 /* One tile: rows r = p * rep + h for positions first + p (p < np) and query heads g * rep + h. */
 INLINE void attend_tile(float *out, const float *query, const float *kv, const int32_t *table, int64_t q_row0,
                         int64_t q_len, int64_t ctx_len, int64_t g, int64_t first, const Shape *sh, const int64_t D) {
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
     const int64_t np = q_len - first < TILE ? q_len - first : TILE, nr = np * rep;
+    const int64_t nv = (nr + W - 1) / W, stride = nv * W; /* row vectors; rows padded to whole ones */
     const int64_t base = ctx_len - q_len; /* position of query 0 */
-    float qs[TILE * MAX_REP][MAX_D] __attribute__((aligned(64)));
+    /* Queries transposed, [D][stride], and a key group's scores, then weights, [KEYS][stride]: a
+     * score vector holds W rows' scores for one key, so the running softmax is W rows at a time. */
+    float qt[MAX_D * TILE * MAX_REP] __attribute__((aligned(64)));
+    float sw[KEYS * TILE * MAX_REP] __attribute__((aligned(64)));
     float acc[TILE * MAX_REP][MAX_D] __attribute__((aligned(64)));
-    float kt[MAX_D][KEYS] __attribute__((aligned(64)));
-    vf sc[TILE * MAX_REP];
-    float mx[TILE * MAX_REP], sum[TILE * MAX_REP];
-    int32_t pos[TILE * MAX_REP];
-    for (int64_t p = 0; p < np; ++p)
-        for (int64_t h = 0; h < rep; ++h) {
-            const int64_t r = p * rep + h;
-            const float *qrow = query + ((q_row0 + first + p) * H + g * rep + h) * D;
-            for (int64_t d = 0; d < D; ++d) qs[r][d] = qrow[d] * sh->scale, acc[r][d] = 0.f;
-            mx[r] = -3.0e38f; /* finite: the build assumes no infinities (see kernels/cpu) */
-            sum[r] = 0.f;
-            pos[r] = (int32_t)(base + first + p);
-        }
-    for (int64_t r = nr; r < (nr + RT - 1) / RT * RT; ++r) /* a last partial pass reads zeros */
-        for (int64_t d = 0; d < D; ++d) qs[r][d] = 0.f, acc[r][d] = 0.f;
-    const int64_t last = base + first + np - 1; /* the tile's last position: no key beyond it */
-    vf iota;
-    for (int i = 0; i < KEYS; ++i) iota[i] = (float)i;
+    vf mx[TILE * MAX_REP / W], sum[TILE * MAX_REP / W], pos[TILE * MAX_REP / W];
+    for (int64_t r = 0; r < stride; ++r) {
+        const int64_t p = r < nr ? r / rep : np - 1; /* a padding row: zeros at the last position */
+        const float *qrow = query + ((q_row0 + first + p) * H + g * rep + r % rep) * D;
+        for (int64_t d = 0; d < D; ++d) qt[d * stride + r] = r < nr ? qrow[d] * sh->scale : 0.f, acc[r][d] = 0.f;
+        pos[r / W][r % W] = (float)(base + first + p);
+    }
+    for (int64_t v = 0; v < nv; ++v) mx[v] = NEG, sum[v] = (vf){0}; /* finite: see NEG */
+    const int64_t last = base + first + np - 1, least = base + first; /* the tile's last and first positions */
     for (int64_t t0 = 0, b = 0; t0 <= last; t0 += bs, ++b) {
         const float *block = kv + (int64_t)table[b] * sh->s_block + g * sh->s_head;
         for (int64_t i0 = 0; i0 < bs && t0 + i0 <= last; i0 += KEYS) {
             const int64_t m = last + 1 - (t0 + i0) < KEYS ? last + 1 - (t0 + i0) : KEYS;
             const int64_t kmax = bs - i0 < m ? bs - i0 : m; /* keys of these that exist */
             const float *k0 = block + i0 * sh->s_tok, *v0 = block + sh->s_kv + i0 * sh->s_tok;
-            for (int64_t i = 0; i < KEYS; ++i)
-                for (int64_t d = 0; d < D; ++d) kt[d][i] = i < kmax ? k0[i * sh->s_tok + d] : 0.f;
-            /* scores: RT rows at a time, each key column loaded once for them */
-            const float key0 = (float)(t0 + i0);
-            for (int64_t r0 = 0; r0 < nr; r0 += RT) {
-                vf s[RT] = {0};
-                for (int64_t d = 0; d < D; ++d) {
-                    vf col;
-                    memcpy(&col, kt[d], sizeof col);
-                    for (int k = 0; k < RT; ++k) s[k] += qs[r0 + k][d] * col;
+            int64_t v = 0;
+            for (; v + 2 <= nv; v += 2) scores_pass(sw, qt, k0, sh->s_tok, kmax, stride, v, 2, D);
+            if (v < nv) scores_pass(sw, qt, k0, sh->s_tok, kmax, stride, v, 1, D);
+            /* running softmax, W rows at a time; keys past a row's position score "minus infinity"
+             * (only where the diagonal crosses this group) */
+            const int masked = t0 + i0 + kmax - 1 > least;
+            for (v = 0; v < nv; ++v) {
+                vf bmax = mx[v];
+                for (int64_t i = 0; i < kmax; ++i) {
+                    vf s = loadv(sw + i * stride + v * W);
+                    if (masked) {
+                        const vi keep = pos[v] >= (float)(t0 + i0 + i);
+                        s = (vf)(((vi)s & keep) | ((vi)NEG & ~keep));
+                        storev(sw + i * stride + v * W, s);
+                    }
+                    bmax = vmax(bmax, s);
                 }
-                for (int k = 0; k < RT && r0 + k < nr; ++k) {
-                    const int64_t r = r0 + k;
-                    const float lim = (float)(pos[r] < t0 + i0 + kmax - 1 ? pos[r] : t0 + i0 + kmax - 1);
-                    /* keys past the row's position, or past the block, score "minus infinity" */
-                    const vi keep = (iota + key0) <= lim;
-                    const vi masked = ((vi)s[k] & keep) | ((vi)NEG & ~keep);
-                    sc[r] = (vf)masked;
+                const vi grew = bmax > mx[v];
+                int any = 0;
+                for (int l = 0; l < W; ++l) any |= grew[l];
+                if (any) { /* earlier terms shrink by exp(old - new): 1 in lanes that did not grow */
+                    const vf c = vexp(mx[v] - bmax);
+                    sum[v] *= c;
+                    for (int l = 0; l < W && v * W + l < nr; ++l)
+                        if (grew[l])
+                            for (int64_t d = 0; d < D; ++d) acc[v * W + l][d] *= c[l];
+                    mx[v] = bmax;
                 }
-            }
-            /* running softmax per row */
-            for (int64_t r = 0; r < nr; ++r) {
-                float bmax = mx[r];
-                for (int i = 0; i < KEYS; ++i) bmax = sc[r][i] > bmax ? sc[r][i] : bmax;
-                if (bmax > mx[r]) { /* earlier terms shrink by exp(old - new) */
-                    const float c = expf(mx[r] - bmax);
-                    sum[r] *= c;
-                    for (int64_t d = 0; d < D; ++d) acc[r][d] *= c;
-                    mx[r] = bmax;
+                vf add = {0};
+                for (int64_t i = 0; i < kmax; ++i) {
+                    const vf x = loadv(sw + i * stride + v * W) - bmax;
+                    const vf e = (vf)((vi)vexp(x) & (x > EXP_FLOOR)); /* a masked key weighs 0 */
+                    storev(sw + i * stride + v * W, e);
+                    add += e;
                 }
-                float e[KEYS], add = 0.f;
-#pragma omp simd reduction(+ : add)
-                for (int i = 0; i < KEYS; ++i) { e[i] = expf(sc[r][i] - bmax); add += e[i]; }
-                sc[r] = loadv(e);
-                sum[r] += add;
+                sum[v] += add;
             }
 #if defined(__AVX512F__)
             /* values: RT rows' accumulators in registers, each V row loaded once for them */
@@ -150,7 +215,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                     vf v[MAX_D / W];
                     for (int64_t j = 0; j < D / W; ++j) v[j] = loadv(v0 + i * sh->s_tok + W * j);
                     for (int k = 0; k < RT; ++k) {
-                        const float w = k < rows ? sc[r0 + k][i] : 0.f;
+                        const float w = k < rows ? sw[i * stride + r0 + k] : 0.f;
                         for (int64_t j = 0; j < D / W; ++j) a[k][j] += w * v[j];
                     }
                 }
@@ -170,7 +235,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                         vf v[VJ(D)];
                         for (int64_t j = 0; j < VJ(D); ++j) v[j] = loadv(v0 + i * sh->s_tok + W * (j0 + j));
                         for (int k = 0; k < RTV; ++k) {
-                            const float w = k < rows ? sc[r0 + k][i] : 0.f;
+                            const float w = k < rows ? sw[i * stride + r0 + k] : 0.f;
                             for (int64_t j = 0; j < VJ(D); ++j) a[k][j] += w * v[j];
                         }
                     }
@@ -184,7 +249,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
     for (int64_t p = 0; p < np; ++p)
         for (int64_t h = 0; h < rep; ++h) {
             const int64_t r = p * rep + h;
-            const float inv = 1.f / sum[r];
+            const float inv = 1.f / sum[r / W][r % W];
             float *orow = out + ((q_row0 + first + p) * H + g * rep + h) * D;
             for (int64_t d = 0; d < D; ++d) orow[d] = acc[r][d] * inv;
         }
