@@ -3,6 +3,7 @@ to, the refusals, and the cpu backend (C decodes, torch prefills) against the to
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,21 @@ def test_cpu_prefill_kernel_keeps_the_softmax_exact_over_a_wide_range_of_scores(
     want, got = results
     assert backend._prefill_in_c
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefill_attention_benchmark_compares_backends_that_agree(tmp_path):
+    """benchmarks/prefill_attention.py, one call per case: both backends timed, their outputs alike."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    from benchmarks import prefill_attention
+
+    out = tmp_path / "prefill_attention.json"
+    prefill_attention.main(["--repeats", "1", "--layers", "1", "--result-json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == list(prefill_attention.CASES)
+    for row in results:
+        assert row["max_abs_difference"] < 1e-4
+        assert row["torch"]["median_ms"] > 0 and row["cpu"]["median_ms"] > 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
