@@ -25,10 +25,8 @@
  *   block_tables [S, max_blocks] int32; q_start, q_len, ctx_len [S] int32 (query i of sequence s
  *                sits at position ctx_len - q_len + i and attends to keys 0..that position)
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
 #define TILE 16     /* query positions per tile */
@@ -76,10 +74,9 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef float vf_unaligned __attribute__((vector_size(W * 4), aligned(4)));
 INLINE vf loadv(const float *p) { return *(const vf_unaligned *)p; }
 INLINE void storev(float *p, vf v) { *(vf_unaligned *)p = v; }
-INLINE vf vmax(vf a, vf b) {
-    const vi a_wins = a > b;
-    return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
-}
+/* a in the lanes `take` marks (all ones), b in the others */
+INLINE vf blend(vi take, vf a, vf b) { return (vf)(((vi)a & take) | ((vi)b & ~take)); }
+INLINE vf vmax(vf a, vf b) { return blend(a > b, a, b); }
 INLINE vf vmin(vf a, vf b) { return -vmax(-a, -b); }
 
 /* Exponents at or below this are a masked key's (its weight is 0) or a row's first maximum's
@@ -179,7 +176,7 @@ INLINE void attend_tile(float *out, const float *query, const float *kv, const i
                     vf s = loadv(sw + i * stride + v * W);
                     if (masked) {
                         const vi keep = pos[v] >= (float)(t0 + i0 + i);
-                        s = (vf)(((vi)s & keep) | ((vi)NEG & ~keep));
+                        s = blend(keep, s, NEG);
                         storev(sw + i * stride + v * W, s);
                     }
                     bmax = vmax(bmax, s);
