@@ -259,10 +259,12 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
         const int64_t n = len - t0 < bs ? len - t0 : bs;
         const char *k_next = t0 + bs < len ? (const char *)kv + (int64_t)table[b + 1] * sh->s_block * elem : NULL;
         const int64_t n_next = len - t0 - bs < bs ? len - t0 - bs : bs;
-        /* The scores step once per head and key (their last group padded to W), the values once
-         * per token, tile and pass. */
+        /* The scores step once per head and group of W keys, the values once per token, tile and
+         * pass. (Once per key, the scores' steps were a loop and a branch beside each key's 8 FMAs:
+         * stepping per group of keys, with the whole-vector store of the scores below, 64 decodes of
+         * 300 tokens, 30 layers, AMD EPYC, 2 threads, 15 alternated runs: 47.1 -> 44.4 ms.) */
         Prefetch v_ahead = prefetch_run((const char *)kv + (block + sh->s_kv) * elem, n * sh->s_tok * elem,
-                                        H * ((n + W - 1) / W) * W);
+                                        H * ((n + W - 1) / W));
         Prefetch k_ahead = prefetch_run(k_next, n_next * sh->s_tok * elem,
                                         sh->num_kv_heads * ((rep + tile - 1) / tile) * n * VALUE_PASSES(D));
         for (int64_t i0 = 0; i0 < n; i0 += W) {
@@ -270,6 +272,7 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
                 const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
                 for (int64_t r = 0; r < rep; ++r, ++h) {
+                    prefetch_step(&v_ahead);
                     vf part[W];
 #if defined(__AVX512BF16__)
                     if (bf16 && q_bf16) { /* see bf16_exact */
@@ -278,7 +281,6 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                             qb[j] = _mm512_cvtne2ps_pbh((__m512)loadu(q + h * D + 32 * j + 16),
                                                         (__m512)loadu(q + h * D + 32 * j));
                         for (int64_t i = 0; i < W; ++i) {
-                            prefetch_step(&v_ahead);
                             __m512 p = _mm512_setzero_ps();
                             if (i < m) {
                                 const uint16_t *k = (const uint16_t *)kv + k0 + i * sh->s_tok;
@@ -293,7 +295,6 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                         vf qv[MAX_D / W];
                         for (int64_t j = 0; j < D / W; ++j) qv[j] = loadu(q + h * D + W * j);
                         for (int64_t i = 0; i < W; ++i) {
-                            prefetch_step(&v_ahead);
                             vf p = {0};
                             if (i < m)
                                 for (int64_t j = 0; j < D / W; ++j)
@@ -302,7 +303,8 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
                         }
                     }
                     const vf sc = sumw(part) * sh->scale;
-                    for (int64_t i = 0; i < m; ++i) scores[h * bs + i0 + i] = sc[i];
+                    if (m == W) storeu(scores + h * bs + i0, sc); /* GCC made the loop a `rep movs` */
+                    else for (int64_t i = 0; i < m; ++i) scores[h * bs + i0 + i] = sc[i];
                 }
             }
         }
