@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import kernels  # noqa: E402
 from kernels import cpu  # noqa: E402
+from kernels.random_batch import random_paged_batch  # noqa: E402
 from benchmarks.offline_throughput import write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -38,26 +39,12 @@ CASES = {
 
 
 def make_step(query_lens: list[int], cached_lens: list[int], gen: torch.Generator):
-    """A one-layer paged cache holding every chunk's context (its new tokens written too, as
-    write_kv would have), the chunks' queries, and what each backend needs to read them."""
-    ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
-    blocks = [-(-c // BLOCK_SIZE) for c in ctx_lens]
-    order = torch.randperm(sum(blocks) + 4, generator=gen)
-    tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
-    start = 0
-    for s, n in enumerate(blocks):
-        tables[s, :n] = order[start:start + n]
-        start += n
-    cache = torch.randn(sum(blocks) + 4, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) * 0.5
-    slots = [int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
-             for s in range(len(blocks)) for p in range(cached_lens[s], ctx_lens[s])]
-    query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen)
-    new_k = cache[:, 0].reshape(-1, KV_HEADS, HEAD_DIM)[slots]  # the new tokens' own K/V, as written
-    new_v = cache[:, 1].reshape(-1, KV_HEADS, HEAD_DIM)[slots]
-    metas = {name: kernels.get_backend(name, "cpu", torch.float32).build_metadata(
-        torch.tensor(query_lens), torch.tensor(ctx_lens), tables, torch.tensor(slots), BLOCK_SIZE, 1 << 30)
-        for name in ("torch", "cpu")}
-    return cache, query, new_k, new_v, metas
+    """A one-layer paged cache holding every chunk's context (its new tokens written by write_kv),
+    the chunks' queries, and each backend's metadata."""
+    batch = random_paged_batch(gen, BLOCK_SIZE, query_lens, cached_lens, HEADS, KV_HEADS, HEAD_DIM)
+    metas = {name: batch.metadata(kernels.get_backend(name, "cpu", torch.float32)) for name in ("torch", "cpu")}
+    metas["torch"].backend.write_kv(batch.new_k, batch.new_v, batch.cache, metas["torch"])
+    return batch.cache, batch.query, batch.new_k, batch.new_v, metas
 
 
 def attention_flops(query_lens: list[int], cached_lens: list[int]) -> int:

@@ -8,45 +8,16 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import reference
+from kernels.random_batch import random_paged_batch
 
 
 def _random_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, backend=None,
                   max_gather_tokens=1 << 30):
-    """Sequences with `cached_lens[s]` tokens already in randomly placed blocks and
-    `query_lens[s]` new ones; returns everything the kernel and the dense oracle need, the
+    """kernels.random_batch's step as a tuple: everything the kernel and the dense oracle need, the
     metadata built by `backend` (default: torch)."""
-    backend = backend or kernels.get_backend("torch", "cpu", torch.float32)
-    ctx_lens = [c + q for c, q in zip(cached_lens, query_lens)]
-    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in blocks_per_seq:
-        tables.append(perm[start:start + n])
-        start += n
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = torch.tensor(t)
-    # A strided view of one layer in a two-layer block-major cache, as the worker passes it.
-    cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen)[:, 1]
-    keys = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
-    values = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in ctx_lens]
-    # The cached part is already in the cache; the new tokens come through write_kv.
-    for s, t in enumerate(tables):
-        for pos in range(cached_lens[s]):
-            cache[t[pos // block_size], 0, pos % block_size] = keys[s][pos]
-            cache[t[pos // block_size], 1, pos % block_size] = values[s][pos]
-    slots = []
-    for s, t in enumerate(tables):
-        for pos in range(cached_lens[s], ctx_lens[s]):
-            slots.append(t[pos // block_size] * block_size + pos % block_size)
-    new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
-    new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
-    meta = backend.build_metadata(torch.tensor(query_lens), torch.tensor(ctx_lens), block_tables, torch.tensor(slots),
-                                  block_size, max_gather_tokens)
-    return cache, query, new_k, new_v, meta, keys, values
+    batch = random_paged_batch(gen, block_size, query_lens, cached_lens, num_heads, num_kv_heads, head_dim)
+    meta = batch.metadata(backend or kernels.get_backend("torch", "cpu", torch.float32), max_gather_tokens)
+    return batch.cache, batch.query, batch.new_k, batch.new_v, meta, batch.keys, batch.values
 
 
 def _dense_reference(query, keys, values, query_lens, cached_lens, num_heads, scale):
