@@ -11,8 +11,6 @@ import pytest
 import torch
 
 from pagedserve import LLM
-from tests.test_huge_pages import _mapping_of
-from workers.huge_pages import huge_pages_available
 from workers.kv_cache import KVCacheSpec, available_memory
 
 MIB = 1 << 20
@@ -45,17 +43,6 @@ def test_pool_reads_as_zeros_in_the_spec_shape(dtype):
     pool[4, 1] = 1.5
     assert pool.sum().item() == 1.5 * 2 * 16 * 2 * 8
     assert pool[:4].abs().sum().item() == 0 and pool[5:].abs().sum().item() == 0
-
-
-@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages")
-def test_the_pool_is_advised_onto_huge_pages():
-    """A decode reads a few KiB of each block per layer at scattered places: on 4 KiB pages, a
-    page walk each."""
-    spec = KVCacheSpec(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
-    pool = spec.allocate((16 * MIB) // spec.block_bytes, "cpu")
-    mapping = _mapping_of(pool.data_ptr())
-    assert "hg" in mapping["VmFlags"].split()  # advised MADV_HUGEPAGE
-    assert mapping["THPeligible"] == "1"
 
 
 def test_an_empty_pool_is_allowed():

@@ -65,21 +65,8 @@ def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advise_huge_pages(pages)
     # The tensor holds the mapping (a buffer export): it is unmapped when the tensor is freed.
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
-
-
-def advise_huge_pages(pages: mmap.mmap) -> None:
-    """Ask for transparent huge pages (2 MiB) where the kernel gives them on request. A decode
-    reads each sequence's blocks, a few KiB of a layer each, at scattered places: on 4 KiB pages
-    that is a page walk every 4 KiB. The decode kernel alone (64 decodes of 300 tokens, SmolLM2's
-    30 layers, 2 threads, 11 alternated runs, median): 45.4 ms on 4 KiB pages, 42.5 on huge ones.
-    Pages are still taken only on first touch, 2 MiB at a time."""
-    try:
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no MADV_HUGEPAGE on this platform, or no THP in its kernel
-        pass
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
