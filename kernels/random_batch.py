@@ -30,31 +30,37 @@ class PagedBatch:
                                       max_gather_tokens)
 
 
+def shuffled_block_tables(gen: torch.Generator, block_size: int, query_lens: list[int], context_lens: list[int],
+                          num_blocks: int) -> tuple[torch.Tensor, list[int]]:
+    """Block tables over a random permutation of `num_blocks` physical blocks, each sequence
+    taking the next blocks its context needs, and the slots (block * block_size + offset) of each
+    sequence's last `query_lens[s]` positions: the step's new tokens, in sequence order."""
+    order = torch.randperm(num_blocks, generator=gen)
+    needed = [-(-c // block_size) for c in context_lens]
+    tables = torch.zeros(len(context_lens), max(needed), dtype=torch.int32)
+    slots, start = [], 0
+    for s, (q, c) in enumerate(zip(query_lens, context_lens)):
+        tables[s, :needed[s]] = order[start:start + needed[s]]
+        start += needed[s]
+        slots += [int(tables[s, pos // block_size]) * block_size + pos % block_size for pos in range(c - q, c)]
+    return tables, slots
+
+
 def random_paged_batch(gen: torch.Generator, block_size: int, query_lens: list[int], cached_lens: list[int],
                        num_heads: int, num_kv_heads: int, head_dim: int) -> PagedBatch:
     """Sequence s holds `cached_lens[s]` tokens in the cache and brings `query_lens[s]` new ones.
     Its blocks are a random permutation's (a few spare blocks among them), and the cache is one
     layer's view of a two-layer block-major cache, strided as the worker passes it."""
     context_lens = [c + q for c, q in zip(cached_lens, query_lens)]
-    blocks_per_seq = [-(-c // block_size) for c in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.zeros(len(blocks_per_seq), max(blocks_per_seq), dtype=torch.int32)
-    start = 0
-    for s, n in enumerate(blocks_per_seq):
-        block_tables[s, :n] = torch.tensor(order[start:start + n])
-        start += n
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    block_tables, slots = shuffled_block_tables(gen, block_size, query_lens, context_lens, num_blocks)
     cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen)[:, 1]
     keys = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in context_lens]
     values = [torch.randn(c, num_kv_heads, head_dim, generator=gen) for c in context_lens]
-    slots = []
-    for s in range(len(context_lens)):
-        for pos in range(context_lens[s]):
+    for s, cached in enumerate(cached_lens):  # the cached part is in place; the new tokens await write_kv
+        for pos in range(cached):
             block, offset = int(block_tables[s, pos // block_size]), pos % block_size
-            if pos < cached_lens[s]:
-                cache[block, 0, offset], cache[block, 1, offset] = keys[s][pos], values[s][pos]
-            else:
-                slots.append(block * block_size + offset)
+            cache[block, 0, offset], cache[block, 1, offset] = keys[s][pos], values[s][pos]
     new_k = torch.cat([k[c:] for k, c in zip(keys, cached_lens)])
     new_v = torch.cat([v[c:] for v, c in zip(values, cached_lens)])
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)

@@ -11,6 +11,7 @@ pytest.importorskip("triton")  # without a GPU, conftest.py has set TRITON_INTER
 
 import kernels  # noqa: E402
 from kernels import triton as tk  # noqa: E402
+from kernels.random_batch import shuffled_block_tables  # noqa: E402
 from pagedserve import LLM  # noqa: E402
 from tests.test_model_correctness import _generate, _prompts  # noqa: E402
 
@@ -21,18 +22,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 def _step(query_lens, context_lens, block_size, num_blocks, seed=0):
     """Block tables (shuffled physical blocks) and the slots of the step's new tokens."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_blocks, generator=g)
-    max_blocks = max(-(-c // block_size) for c in context_lens)
-    tables = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
-    used = 0
-    slots = []
-    for s, (q, c) in enumerate(zip(query_lens, context_lens)):
-        n = -(-c // block_size)
-        tables[s, :n] = perm[used:used + n]
-        used += n
-        for pos in range(c - q, c):
-            slots.append(int(tables[s, pos // block_size]) * block_size + pos % block_size)
+    tables, slots = shuffled_block_tables(torch.Generator().manual_seed(seed), block_size, query_lens, context_lens,
+                                          num_blocks)
     return tables, torch.tensor(slots, dtype=torch.int64)
 
 

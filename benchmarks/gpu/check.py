@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
+from kernels.random_batch import shuffled_block_tables  # noqa: E402
 from pagedserve.bench.dataset import BenchRequest  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
@@ -50,19 +51,6 @@ def parse_args(argv=None):
 
 
 # ---- 1. kernels against the reference ----------------------------------------------------------
-def _step(query_lens, context_lens, block_size, num_blocks, gen):
-    perm = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(-(-c // block_size) for c in context_lens)
-    tables = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
-    used, slots = 0, []
-    for s, (q, c) in enumerate(zip(query_lens, context_lens)):
-        n = -(-c // block_size)
-        tables[s, :n] = perm[used:used + n]
-        used += n
-        slots += [int(tables[s, pos // block_size]) * block_size + pos % block_size for pos in range(c - q, c)]
-    return tables, torch.tensor(slots, dtype=torch.int64), used
-
-
 def check_kernels(device: str, smoke: bool) -> list[dict]:
     from kernels import triton as tk
 
@@ -78,7 +66,8 @@ def check_kernels(device: str, smoke: bool) -> list[dict]:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for block_size in (8, 16, 32):
             num_blocks = sum(-(-c // block_size) for c in context_lens) + 4
-            tables, slots, _ = _step(query_lens, context_lens, block_size, num_blocks, gen)
+            tables, slots = shuffled_block_tables(gen, block_size, query_lens, context_lens, num_blocks)
+            slots = torch.tensor(slots, dtype=torch.int64)
             cache = torch.randn((num_blocks, 2, block_size, kv_heads, head_dim), generator=gen).to(dtype)
             t = sum(query_lens)
             q = torch.randn((t, heads, head_dim), generator=gen).to(dtype)
