@@ -1,7 +1,9 @@
 """The scheduler: which sequences run this step, how many tokens each, and who is preempted.
 
 One token budget per step (`max_num_batched_tokens`) and a cap on running sequences
-(`max_num_seqs`); no separate prefill and decode phases: each sequence's computed tokens catch
+(`max_num_seqs`, which counts the samples or beams a running request will still fork into: a
+request is admitted once there are seats for all of them, or alone where it is wider than the
+cap); no separate prefill and decode phases: each sequence's computed tokens catch
 up to its total, a prefill chunk or one decode token at a time, so chunked prefill falls out of
 the budget. Order: running sequences first (their decodes, then their unfinished prefill chunks,
 oldest first), then waiting ones, FCFS.
@@ -460,9 +462,25 @@ class Scheduler:
             self.add(child)
         return child
 
+    def _forks_to_come(self, seq: Sequence) -> int:
+        """How many more sequences `seq` turns into at its first token: its samples' forks
+        (n/best_of), or a beam search's first step, which forks its one beam into beam_width."""
+        if seq.fork_ids:
+            return len(seq.fork_ids)
+        group = self.groups.get(seq.request_id)
+        if group is not None and group.beam is not None and group.seqs == [seq] and seq.num_output_tokens == 0:
+            return group.params.beam_width - 1
+        return 0
+
+    def _seats_taken(self) -> int:
+        """Running sequences and the forks they will make: max_num_seqs caps all of them, as vLLM
+        counts every sample of a request, so a fork never lifts a step past the cap."""
+        return len(self.running) + sum(self._forks_to_come(s) for s in self.running)
+
     def _swap_in(self, out: SchedulerOutput) -> None:
         # (A group larger than max_num_seqs, a wide beam search, comes back once nothing runs.)
-        while self.swapped and (not self.running or len(self.running) + len(self.swapped[0]) <= self.max_num_seqs):
+        while self.swapped and (not self.running or self._seats_taken() + sum(
+                1 + self._forks_to_come(s) for s in self.swapped[0]) <= self.max_num_seqs):
             copies = self.kv.swap_in(self.swapped[0])
             if copies is None:
                 return
@@ -477,10 +495,14 @@ class Scheduler:
         isolated = None  # the one twice-faulted request this step may admit (all its samples)
         if self.waiting and len(self.running) >= self.max_num_seqs:
             self._park_idle_beams(out)  # beams waiting for a sibling must not hold every seat
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = self._seats_taken()
+        while self.waiting and budget > 0 and seats < self.max_num_seqs:
             seq = self._next_waiting()
             if seq is None:
                 break
+            need = 1 + self._forks_to_come(seq)
+            if self.running and seats + need > self.max_num_seqs:
+                break  # it waits for seats for all its samples (a request wider than the cap runs alone)
             if self.fault_suspects.get(seq.request_id, 0) >= POISON_FAULTS:
                 if isolated not in (None, seq.request_id):
                     break
@@ -512,6 +534,7 @@ class Scheduler:
             self._waiting_since.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += need
             if num_new:
                 out.scheduled.append((seq, num_new))
             budget -= num_new

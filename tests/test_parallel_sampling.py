@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from tests.reference import hf_greedy
 
 BLOCK = 16
@@ -106,6 +106,37 @@ def test_seeded_samples_survive_preemption(tiny_llama, llm):
         assert tight.stats()["num_preemptions"] > 0
         assert [[c.token_ids for c in o.outputs] for o in out] == roomy
         _assert_all_free(tight)
+
+
+def test_max_num_seqs_counts_every_sample_and_beam(tiny_llama, llm):
+    """vLLM counts each sample toward max_num_seqs: under a cap of 4, requests of n=3 run one at
+    a time (3 + 3 > 4) where they had forked to 9 running sequences; a request wider than the cap
+    (best_of 6, beam_width 5) runs alone. The tokens are those of a run with room."""
+    prompts = [{"prompt_token_ids": _prompt(30, seed=s)} for s in range(4)]
+    sampled = [SamplingParams(n=3, seed=s, temperature=1.0, max_tokens=6, ignore_eos=True) for s in range(3)]
+    sampled.append(SamplingParams(n=2, best_of=6, seed=5, temperature=1.0, max_tokens=6, ignore_eos=True))
+    beams = BeamSearchParams(beam_width=5, max_tokens=6, ignore_eos=True).sampling_params()
+    every = prompts + [prompts[0]]
+
+    def tokens(engine_llm):
+        out = engine_llm.generate(every, sampled + [beams], use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in out]
+
+    want = tokens(llm)
+    with LLM(tiny_llama, kv_cache_memory=1 << 24, block_size=BLOCK, max_num_seqs=4) as capped:
+        scheduler, seen = capped.engine.scheduler, []
+        schedule = scheduler.schedule
+
+        def recording():
+            out = schedule()
+            seen.append((len(scheduler.running), len({s.request_id for s in scheduler.running})))
+            return out
+
+        scheduler.schedule = recording
+        assert tokens(capped) == want
+        assert max(n for n, _ in seen) == 6  # best_of 6, alone
+        assert all(n <= 4 for n, requests in seen if requests > 1)
+        _assert_all_free(capped)
 
 
 def test_best_of_returns_the_n_best_by_cumulative_logprob(llm):
