@@ -196,8 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    # Left unset, the server's defaults apply (its generation config's, else SamplingParams'), as
+    # for any client: `--n 2` then samples rather than repeating one greedy reply.
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="tokens to generate (default: the server's: its generation config's max_new_tokens, else 16)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 for greedy (default: the server's: its generation config's, else 1.0)")
     gen.add_argument("--timeout", type=_positive_float, default=None, help="seconds before the request is abandoned")
     # Optional sampling fields: left unset, the server's SamplingParams defaults apply.
     for flag, kind, help_text in _SAMPLING_FLAGS:
@@ -269,7 +273,10 @@ def run_generate(args) -> int:
     from pagedserve.client import ServingError
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "priority": args.priority}
+    sampling = {"priority": args.priority}
+    for name in ("max_tokens", "temperature"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
     for flag, _, _ in _SAMPLING_FLAGS:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is not None:

@@ -120,8 +120,9 @@ def server(ray_session, tiny_llama, tmp_path_factory):
     config = EngineConfig(model=model, kv_cache_memory=1 << 22, distributed_executor_backend="uni",
                           override_generation_config={"top_p": 0.5})
     with running_coordinator(config) as (actor, _):
-        port = ray.get(actor.status.remote())["http_port"]
-        yield SimpleNamespace(actor=actor, url=f"http://127.0.0.1:{port}/v1", model=model)
+        status = ray.get(actor.status.remote())
+        yield SimpleNamespace(actor=actor, url=f"http://127.0.0.1:{status['http_port']}/v1", model=model,
+                              target=f"127.0.0.1:{status['port']}")
 
 
 def test_a_served_request_takes_the_defaults_and_overrides_them(server):
@@ -145,3 +146,17 @@ def test_a_served_request_takes_the_defaults_and_overrides_them(server):
     with pytest.raises(openai.BadRequestError) as info:  # asked for by the client, it is checked
         client.completions.create(model=server.model, prompt=near_full, max_tokens=6)
     assert info.value.body["param"] == "max_tokens"
+
+
+def test_the_cli_leaves_unset_sampling_to_the_server(server, capsys):
+    """`pagedserve generate` sends no max_tokens or temperature of its own: the generation config's
+    6 greedy tokens apply, as over HTTP, where the CLI once sent 64 greedy tokens of its own."""
+    from pagedserve import cli
+
+    def reply(*flags) -> str:
+        assert cli.main(["generate", "Tell me a story", "--target", server.target, *flags]) == 0
+        return capsys.readouterr().out
+
+    implicit = reply()
+    assert implicit == reply("--max-tokens", "6", "--temperature", "0")
+    assert implicit != reply("--max-tokens", "40", "--temperature", "0")

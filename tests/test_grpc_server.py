@@ -234,9 +234,10 @@ def test_cli_generate_and_stats_talk_to_a_running_server(llm, server, capsys):
     from pagedserve import cli
 
     target = f"127.0.0.1:{server.port}"
-    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4"]) == 0
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4", "--temperature", "0"]) == 0
     plain = capsys.readouterr().out
-    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4", "--stream"]) == 0
+    assert cli.main(["generate", "Hello", "--target", target, "--max-tokens", "4", "--temperature", "0",
+                     "--stream"]) == 0
     assert capsys.readouterr().out == plain  # greedy: the same text, streamed
     assert cli.main(["stats", "--target", target]) == 0
     assert "kv_blocks_total" in capsys.readouterr().out
