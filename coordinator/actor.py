@@ -111,9 +111,9 @@ class CoordinatorActor:
             raise
         if ports.get("metrics_port") is not None:
             try:
-                self._start_metrics(model, options.metrics_host, ports["metrics_port"])
+                self._start_metrics(options.metrics_host, ports["metrics_port"])
             except OSError:
-                self._start_metrics(model, options.metrics_host, 0)
+                self._start_metrics(options.metrics_host, 0)
         if launched.http:
             try:
                 await self._start_http(model, dataclasses.replace(launched, http_port=ports.get("http_port")))
@@ -142,6 +142,8 @@ class CoordinatorActor:
             # The server is the disaggregated shape: the engine here, the model in worker actors.
             engine_config = engine_config.replace(distributed_executor_backend="ray")
         self._state = ServerState(options.api_key, options.request_timeout)
+        # Metrics carry the name clients use, as vLLM's model_name label does.
+        self._metrics_model = (options.served_model_name or [engine_config.model])[0]
         self._drain_timeout = options.drain_timeout
         self._server = ServingServer(self._state, options.tls)
         self.port = await self._server.start(options.host, options.port)
@@ -156,12 +158,12 @@ class CoordinatorActor:
         await asyncio.sleep(0)  # the load's first step: its thread starts the workers
         try:
             if options.metrics_port is not None:
-                self._start_metrics(engine_config.model, options.metrics_host, options.metrics_port)
+                self._start_metrics(options.metrics_host, options.metrics_port)
             elif options.default_metrics:
                 try:
-                    self._start_metrics(engine_config.model, options.metrics_host, DEFAULT_METRICS_PORT)
+                    self._start_metrics(options.metrics_host, DEFAULT_METRICS_PORT)
                 except OSError:  # another server on this machine has it: any free port (status says which)
-                    self._start_metrics(engine_config.model, options.metrics_host, 0)
+                    self._start_metrics(options.metrics_host, 0)
             if options.http:
                 await self._start_http(engine_config.model, options)
         except BaseException:
@@ -171,21 +173,21 @@ class CoordinatorActor:
             await self.wait_ready()
         return self.port
 
-    def _metrics_registry(self, model: str):
+    def _metrics_registry(self):
         from coordinator.prometheus import PagedserveCollector, make_registry
 
         if self._registry is None:
             state = self._state  # read from the metrics thread: see ServerState on what is safe there
             self._registry = make_registry(PagedserveCollector(
-                model, lambda: state.engine.replica_engines() if state.engine is not None else [],
+                self._metrics_model, lambda: state.engine.replica_engines() if state.engine is not None else [],
                 lambda: dict(state.rejected),
                 lambda: state.engine.cluster_counters() if hasattr(state.engine, "cluster_counters") else {}))
         return self._registry
 
-    def _start_metrics(self, model: str, host: str, port: int) -> None:
+    def _start_metrics(self, host: str, port: int) -> None:
         from coordinator.prometheus import MetricsServer
 
-        self._metrics = MetricsServer(self._metrics_registry(model), host, port)
+        self._metrics = MetricsServer(self._metrics_registry(), host, port)
         self._info["metrics_port"] = self._metrics.port
 
     async def _start_http(self, model: str, options: ServerOptions) -> None:
@@ -193,7 +195,7 @@ class CoordinatorActor:
         from coordinator.http_server import HttpServer
         from coordinator.server_options import DEFAULT_HTTP_PORT
 
-        self._http = HttpServer(self._state, model, self._metrics_registry(model), options.tls,
+        self._http = HttpServer(self._state, model, self._metrics_registry(), options.tls,
                                 options.auto_tool_parser, options.reasoning_parser, options.served_model_name,
                                 options.allowed_origins)
         if options.http_port is not None:

@@ -195,5 +195,11 @@ def test_the_server_answers_to_its_served_names_only(server, no_template_model):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model=no_template_model, prompt="Hello", max_tokens=2)
     assert err.value.body["param"] == "model" and "'house-model' or 'house-model-v2'" in err.value.body["message"]
+    # Metrics are labelled with the name clients use, as vLLM's model_name label is (dashboards filter on it).
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        metrics = resp.read().decode()
+    assert f'vllm:num_requests_running{{model_name="{SERVED[0]}"' in metrics
+    assert no_template_model not in metrics
     with pytest.raises(ValueError, match="served_model_name must be a list of one or more non-empty names"):
         ServerOptions(served_model_name=[""])
