@@ -12,7 +12,7 @@ outputs come as OpenAI's `response_format` (json_object, json_schema) or vLLM's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -31,7 +31,6 @@ _NOT_SUPPORTED = {
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: not v,
     "prediction": lambda v: not v,
-    "reasoning_effort": lambda v: not v,
     "web_search_options": lambda v: not v,
 }
 
@@ -234,13 +233,15 @@ class ChatCompletionRequest(_GenerationRequest):
     # extra variables for the template (coordinator/chat_template.py)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the chat template's `reasoning_effort` variable (as the Responses API's
+    # reasoning.effort), for templates that read it; chat_template_kwargs' own value wins
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # Known, not implemented: refused unless no-op (see _NOT_SUPPORTED)
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None  # accepted, unused
     service_tier: str | None = None  # accepted, unused
@@ -293,7 +294,11 @@ class ChatCompletionRequest(_GenerationRequest):
                    "continue_final_message": bool(self.continue_final_message)}
         if self.tools:  # for templates that describe tools to the model (SmolLM2's does not)
             options["tools"] = self.tools
-        return options | _template_options(self)
+        options |= _template_options(self)
+        if self.reasoning_effort is not None:
+            options["chat_template_kwargs"] = {"reasoning_effort": self.reasoning_effort,
+                                               **options.get("chat_template_kwargs", {})}
+        return options
 
 
 class TokenizeRequest(_Body):

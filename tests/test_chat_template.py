@@ -25,7 +25,9 @@ from tests.serving import running_coordinator
 
 # Plain text around each message, so the expected prompt is easy to write out by hand; `persona`
 # is a variable only chat_template_kwargs can set.
-TEMPLATE = ("{% if persona is defined %}[persona: {{ persona }}]\n{% endif %}"
+# (the effort spelled out letter by letter: "low" and "high" are one token each, "l o w" and "h i g h" are not)
+TEMPLATE = ("{% if reasoning_effort is defined %}[effort: {{ reasoning_effort | list | join(' ') }}]\n{% endif %}"
+            "{% if persona is defined %}[persona: {{ persona }}]\n{% endif %}"
             "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 OTHER = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}REPLY:"
@@ -147,6 +149,27 @@ def test_template_kwargs_reach_the_template_and_bad_ones_are_refused(server, bun
         assert err.value.body["param"] == param and message in err.value.body["message"], err.value.body
     stats = _idle(actor)
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_reasoning_effort_reaches_the_template(server, bundled_tokenizer):
+    """OpenAI's reasoning_effort is the template's `reasoning_effort` variable, as the Responses
+    API's reasoning.effort is; a value the request's chat_template_kwargs set wins."""
+    _, _, client = server
+
+    def prompt_tokens(**fields) -> int:
+        return client.chat.completions.create(model="", messages=HI, **GREEDY, **fields).usage.prompt_tokens
+
+    low = expected_ids(bundled_tokenizer, "[effort: l o w]\n<user> Hi there\n<assistant>")
+    high = expected_ids(bundled_tokenizer, "[effort: h i g h]\n<user> Hi there\n<assistant>")
+    assert len(low) != len(high)
+    assert prompt_tokens(reasoning_effort="low") == len(low)
+    both = dict(GREEDY["extra_body"], chat_template_kwargs={"reasoning_effort": "high"})
+    reply = client.chat.completions.create(model="", messages=HI, temperature=0, max_tokens=4,
+                                           reasoning_effort="low", extra_body=both)
+    assert reply.usage.prompt_tokens == len(high)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=HI, max_tokens=2, extra_body={"reasoning_effort": "extreme"})
+    assert err.value.body["param"] == "reasoning_effort", err.value.body
 
 
 def test_grpc_chat_takes_the_template_options(server, bundled_tokenizer):
