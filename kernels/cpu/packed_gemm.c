@@ -47,6 +47,14 @@
  * whole-panel order, the weight the next blocks read arrives while this one computes (8 rows 17-20 against 20-22 ms,
  * 16 rows 26-28 against 30-31; 256 to 2,048 floats ahead measured alike). */
 #define PREFETCH_FLOATS 1024
+/* A block of fewer rows than a tile prefetches so too from this many rows: 3-5 rows (a few
+ * decodes, a speculative verify step of 5) are bound by the weight's stream as one row is, and
+ * went from 18.2-20.5 to 18.0-18.6 ms (medians, SmolLM2's layers, Zen 3); one row, whose loop
+ * the hardware prefetcher keeps fed, did not gain. */
+#if !defined(PACKED_GEMM_PREFETCH_MIN_ROWS)
+#define PACKED_GEMM_PREFETCH_MIN_ROWS 3
+#endif
+#define PREFETCH_MIN_ROWS PACKED_GEMM_PREFETCH_MIN_ROWS
 
 typedef float vec __attribute__((vector_size(W * 4)));
 typedef float vec_unaligned __attribute__((vector_size(W * 4), aligned(4)));
@@ -115,9 +123,12 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
 }
 
 static void tile_any(int64_t rows, const float *x, int64_t ldx, const float *b, int64_t kc, float *out,
-                     int64_t ldo, int first, int64_t cols) {
+                     int64_t ldo, int first, int64_t cols, int prefetch) {
     switch (rows) {
-#define TILE_ROWS(n) case n: tile(n, x, ldx, b, kc, out, ldo, first, cols, 0); break;
+#define TILE_ROWS(n) case n: \
+        if (prefetch) tile(n, x, ldx, b, kc, out, ldo, first, cols, 1); \
+        else tile(n, x, ldx, b, kc, out, ldo, first, cols, 0); \
+        break;
         TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
 #if MR > 6
         TILE_ROWS(7) TILE_ROWS(8) TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12)
@@ -141,7 +152,8 @@ static inline void block(float *out, int64_t ldo, const float *x, int64_t ldx, c
     for (; r + MR <= mc; r += MR)
         tile(MR, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols, 0);
     if (r < mc)
-        tile_any(mc - r, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols);
+        tile_any(mc - r, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols,
+                 r == 0 && mc >= PREFETCH_MIN_ROWS);
 }
 
 /* Which panels a thread computes: each starts on an equal contiguous share of a pass's panels,
