@@ -196,14 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    # Left unset, the server's defaults apply (its generation config's, else SamplingParams'), as
-    # for any client: `--n 2` then samples rather than repeating one greedy reply.
-    gen.add_argument("--max-tokens", type=int, default=None,
-                     help="tokens to generate (default: the server's: its generation config's max_new_tokens, else 16)")
-    gen.add_argument("--temperature", type=float, default=None,
-                     help="0 for greedy (default: the server's: its generation config's, else 1.0)")
     gen.add_argument("--timeout", type=_positive_float, default=None, help="seconds before the request is abandoned")
-    # Optional sampling fields: left unset, the server's SamplingParams defaults apply.
+    # Optional sampling fields: left unset, the server's defaults apply (its generation config's,
+    # else SamplingParams'), as for any client: `--n 2` then samples rather than repeating one reply.
     for flag, kind, help_text in _SAMPLING_FLAGS:
         gen.add_argument(flag, type=kind, default=None, help=help_text)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
@@ -229,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SAMPLING_FLAGS = (
+    ("--max-tokens", int, "tokens to generate (default: the server's: its generation config's max_new_tokens, "
+                          "else 16)"),
+    ("--temperature", float, "0 for greedy (default: the server's: its generation config's, else 1.0)"),
     ("--n", int, "samples to return (they share the prompt's KV blocks)"),
     ("--best-of", int, "samples to generate; the n with the highest cumulative logprob are returned"),
     ("--seed", int, "seed of this request's sampling (sample j uses seed + j)"),
@@ -274,9 +272,6 @@ def run_generate(args) -> int:
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = {"priority": args.priority}
-    for name in ("max_tokens", "temperature"):
-        if getattr(args, name) is not None:
-            sampling[name] = getattr(args, name)
     for flag, _, _ in _SAMPLING_FLAGS:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is not None:
