@@ -51,10 +51,7 @@
  * decodes, a speculative verify step of 5) are bound by the weight's stream as one row is, and
  * went from 18.2-20.5 to 18.0-18.6 ms (medians, SmolLM2's layers, Zen 3); one row, whose loop
  * the hardware prefetcher keeps fed, did not gain. */
-#if !defined(PACKED_GEMM_PREFETCH_MIN_ROWS)
-#define PACKED_GEMM_PREFETCH_MIN_ROWS 3
-#endif
-#define PREFETCH_MIN_ROWS PACKED_GEMM_PREFETCH_MIN_ROWS
+#define PREFETCH_MIN_ROWS 3
 
 typedef float vec __attribute__((vector_size(W * 4)));
 typedef float vec_unaligned __attribute__((vector_size(W * 4), aligned(4)));
