@@ -113,7 +113,17 @@ def test_an_engine_runs_the_gemm_measured_faster_and_a_later_start_packs_for_it(
     monkeypatch.setattr(kernel_choice, "MIN_MODEL_BYTES", 0)
     other = next(g for g in llama.F32_GEMMS if g != llama.DEFAULT_F32_GEMM)
     monkeypatch.setattr(kernel_choice, "choose_gemm", lambda timings, default: other)  # as if it won
-    for _ in range(2):  # the first start measures, the second reads the kept answer
+    packed_for: list[str] = []  # the GEMM of every fp32 weight packed, in order
+    original_pack = llama._pack
+
+    def recording_pack(weight, f32_gemm=None):
+        packed = original_pack(weight, f32_gemm)
+        packed_for.append(llama.f32_gemm_of(packed))
+        return packed
+
+    monkeypatch.setattr(llama, "_pack", recording_pack)
+    for start in range(2):  # the first start measures, the second reads the kept answer
+        packed_for.clear()
         with LLM(tiny_llama, kv_cache_memory=1 << 24, dtype="float32") as llm:
             model = llm.engine.executor.worker.model
             assert _gemms_of(model) == {other}
@@ -122,6 +132,10 @@ def test_an_engine_runs_the_gemm_measured_faster_and_a_later_start_packs_for_it(
             out = llm.generate([{"prompt_token_ids": list(range(3, 40))}],
                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
             assert len(out[0].outputs[0].token_ids) == 4
+        if start == 1:
+            # Read before packing: each weight (the LM head, each layer's four projections) packed
+            # once, for the kept GEMM, not for the default first.
+            assert packed_for == [other] * (1 + 4 * len(model.layers))
         monkeypatch.setattr(kernel_choice, "measure_gemms", lambda layers: pytest.fail("measured again"))
 
 

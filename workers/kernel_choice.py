@@ -36,7 +36,7 @@ is 0: the packed GEMM takes every row count (on that AMD EPYC pagedserve's GEMM 
 ms against the C kernel's 16.0, 4 rows 18.4 / 20.5). The LM head takes the same GEMM and count
 (it is not measured apart). The answer is kept on disk, keyed by the CPU, the thread count, the
 kernel's source, the GEMMs torch has and the layers' shapes, under a lock: later starts read it
-before their first step, and every process of the machine runs the same kernels (a step's
+before their first step (the GEMM before the weights are packed, `kept_f32_gemm`: packed once), and every process of the machine runs the same kernels (a step's
 rounding depends on the kernel, so a server and the offline API give the same tokens). Only the
 first start of a machine runs its first steps on the defaults, until it has measured.
 Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the defaults:
@@ -260,6 +260,21 @@ def _kept_rows(model: nn.Module, layers: list[nn.Linear]) -> int | None:
         return _apply(model, layers, llama.F32_KERNEL_ROWS)
     entry = _read_cache().get(_key(layers))
     return _apply(model, layers, entry["rows"], entry["gemm"]) if _valid_entry(entry) else None
+
+
+def kept_f32_gemm(model: nn.Module) -> str | None:
+    """The GEMM kept for `model`'s fp32 linear layers on this machine, read before they are packed
+    so that they are packed once, for it (SmolLM2: 0.28 s to pack them for MKL's, 0.24 s again for
+    oneDNN's, on a start's critical path); None where the default stands (no answer kept yet, the
+    override, a small model)."""
+    head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
+    # The layers `llama.pack_weights` packs, as `_layers` finds them once packed.
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32
+              and m.weight.device.type == "cpu" and m.weight is not head]
+    if not llama.PACK_F32 or os.environ.get(OVERRIDE_ENV) or sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
+        return None
+    entry = _read_cache().get(_key(layers))
+    return entry["gemm"] if _valid_entry(entry) else None
 
 
 def tune_f32_kernel_rows(model: nn.Module) -> int:

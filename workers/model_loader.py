@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedserve.config import ModelSource
 from workers.gguf_cache import dense_weights_path, write_dense_weights
+from workers.kernel_choice import kept_f32_gemm
 from workers.models.llama import LlamaForCausalLM, pack_weights
 from workers.parallel import TensorParallel
 from workers.quantization import check_supported, quantize_model
@@ -49,7 +50,9 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     if quantization != "none":
         check_supported(quantization, device)
         quantize_model(model, dtype)
-    pack_weights(model)  # fp32 (MKL's layout, else oneDNN's), and bf16 with bf16 arithmetic (oneDNN's)
+    # fp32 for the GEMM this machine was measured to run fastest, where that is kept (else the
+    # default, until measured), and bf16 with bf16 arithmetic (oneDNN's)
+    pack_weights(model, kept_f32_gemm(model) if device == "cpu" else None)
     return model
 
 

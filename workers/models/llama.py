@@ -168,10 +168,10 @@ def repack_f32(model: nn.Module, f32_gemm: str) -> int:
     return done
 
 
-def pack_weights(model: LlamaForCausalLM) -> int:
+def pack_weights(model: LlamaForCausalLM, f32_gemm: str | None = None) -> int:
     """Pack every CPU linear layer's weight once for its GEMM (`_pack`: `packed_weight`; the LM
-    head's is the model's `packed_lm_head`), for `linear`: fp32 layers (keeping the plain weight
-    for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
+    head's is the model's `packed_lm_head`), for `linear`: fp32 layers for `f32_gemm` (the
+    default unless given; keeping the plain weight for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
     where the plain weight gives way to a meta tensor; an LM head tied to the embeddings keeps
     it, as the embeddings. Where that CPU has AMX, a bf16 weight is also packed for the AMX kernel
     (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS rows, oneDNN's
@@ -193,14 +193,14 @@ def pack_weights(model: LlamaForCausalLM) -> int:
     with torch.no_grad():
         if packable(head):
             if onednn_too or head.dtype != torch.bfloat16:
-                model.packed_lm_head = _pack(head)
+                model.packed_lm_head = _pack(head, f32_gemm)
             if amx and head.dtype == torch.bfloat16:
                 model.register_buffer("amx_lm_head", amx_gemm.pack(head), persistent=False)
             done += 1
         for module in linears:
             if module.weight is not head:
                 if onednn_too or module.weight.dtype != torch.bfloat16:
-                    module.packed_weight = _pack(module.weight)
+                    module.packed_weight = _pack(module.weight, f32_gemm)
                 if amx and module.weight.dtype == torch.bfloat16:
                     # A buffer: workers/huge_pages.py moves it with the rest.
                     module.register_buffer("amx_weight", amx_gemm.pack(module.weight), persistent=False)
