@@ -36,8 +36,9 @@ is 0: the packed GEMM takes every row count (on that AMD EPYC pagedserve's GEMM 
 ms against the C kernel's 16.0, 4 rows 18.4 / 20.5). The LM head takes the same GEMM and count
 (it is not measured apart). The answer is kept on disk, keyed by the CPU, the thread count, the
 kernel's source, the GEMMs torch has and the layers' shapes, under a lock: later starts read it
-before their first step (the GEMM before the weights are packed, `kept_f32_gemm`: packed once), and every process of the machine runs the same kernels (a step's
-rounding depends on the kernel, so a server and the offline API give the same tokens). Only the
+before their first step (the GEMM before the weights are packed, `kept_f32_gemm`, so that they
+are packed once), and every process of the machine runs the same kernels (a step's rounding
+depends on the kernel, so a server and the offline API give the same tokens). Only the
 first start of a machine runs its first steps on the defaults, until it has measured.
 Models whose fp32 linear weights are under MIN_MODEL_BYTES (tests' tiny models) keep the defaults:
 their weights sit in cache, where the comparison says nothing. PAGEDSERVE_F32_KERNEL_ROWS=N sets
