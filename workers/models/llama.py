@@ -171,9 +171,9 @@ def repack_f32(model: nn.Module, f32_gemm: str) -> int:
 def pack_weights(model: LlamaForCausalLM, f32_gemm: str | None = None) -> int:
     """Pack every CPU linear layer's weight once for its GEMM (`_pack`: `packed_weight`; the LM
     head's is the model's `packed_lm_head`), for `linear`: fp32 layers for `f32_gemm` (the
-    default unless given; keeping the plain weight for the C kernel's few-row steps), and bf16 layers on a CPU that multiplies bf16 natively,
-    where the plain weight gives way to a meta tensor; an LM head tied to the embeddings keeps
-    it, as the embeddings. Where that CPU has AMX, a bf16 weight is also packed for the AMX kernel
+    default unless given; keeping the plain weight for the C kernel's few-row steps), and bf16
+    layers on a CPU that multiplies bf16 natively, where the plain weight gives way to a meta
+    tensor; an LM head tied to the embeddings keeps it, as the embeddings. Where that CPU has AMX, a bf16 weight is also packed for the AMX kernel
     (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS rows, oneDNN's
     copy the larger ones: bf16 weights are then held twice, as fp32 ones are, while both copies
     fit in a quarter of the memory available (`_second_copy_fits`); beyond, the AMX kernel alone
