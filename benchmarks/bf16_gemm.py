@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--result-json", default="benchmarks/results/bf16_gemm.json")
     args = p.parse_args(argv)
     if not amx_gemm.available():
-        print("no AMX here (or the kernel did not build): nothing to compare")
+        print("no AMX nor AVX512-BF16 here (or the kernel did not build): nothing to compare")
         return
     from pagedserve.config import resolve_model
     from workers.model_config import load_hf_config
@@ -86,7 +86,8 @@ def main(argv=None) -> None:
         print(f"{rows:>6} {t_amx * 1e3:>9.2f} {t_dnn * 1e3:>10.2f} {t_dnn / t_amx:>10.2f}x "
               f"{weight_bytes / t_amx / 1e9:>9.1f}")
         results.append({"rows": rows, "amx_s": t_amx, "onednn_s": t_dnn})
-    print(f"pagedserve takes the AMX kernel up to {amx_gemm.MAX_ROWS} rows, oneDNN's GEMM beyond")
+    print(f"the kernel ran on {amx_gemm.isa()}; pagedserve takes it up to {amx_gemm.MAX_ROWS} rows, "
+          "oneDNN's GEMM beyond")
     out = Path(args.result_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": MODEL, "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,

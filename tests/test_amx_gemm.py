@@ -1,6 +1,7 @@
-"""The AMX bf16 GEMM (kernels/cpu/amx_gemm.c): the float64 product rounded once to bf16, over
-shapes that pad their channels and K, row counts across its 16- and 32-row blocks, with a bias;
-and bf16 layers routed to it up to MAX_ROWS rows, to oneDNN's GEMM beyond."""
+"""The AMX bf16 GEMM (kernels/cpu/amx_gemm.c), on AMX tiles or, without AMX, AVX512-BF16 dot
+products (whichever this CPU has): the float64 product rounded once to bf16, over shapes that pad
+their channels and K, row counts across its 12-, 16- and 32-row blocks, with a bias; and bf16
+layers routed to it up to MAX_ROWS rows, to oneDNN's GEMM beyond."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from kernels.cpu import amx_gemm
 from pagedserve import LLM
 from workers.models import llama
 
-pytestmark = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX tile unit (or the kernel did not build)")
+pytestmark = pytest.mark.skipif(not amx_gemm.available(),
+                                reason="no AMX tile unit nor AVX512-BF16 (or the kernel did not build)")
+
+
+def test_it_runs_on_amx_where_the_cpu_has_it_else_on_avx512_bf16():
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    assert amx_gemm.isa() == ("amx" if "amx_bf16" in flags else "avx512_bf16")
+    assert "avx512_bf16" in flags
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, amx_gemm.MAX_ROWS, 300])

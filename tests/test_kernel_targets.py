@@ -19,9 +19,10 @@ import pytest
 import kernels.cpu
 
 SOURCES = sorted(Path(kernels.cpu.__file__).parent.glob("*.c"))
-# AVX-512 with AMX and bf16 (a Xeon Sapphire Rapids), AVX-512 without them (Ice Lake), AVX2 and
-# FMA only (this project's AMD EPYC, Zen 3), and SSE4 only (the kernels' scalar fallbacks).
-TARGETS = ("sapphirerapids", "icelake-server", "x86-64-v3", "x86-64-v2")
+# AVX-512 with AMX and bf16 (a Xeon Sapphire Rapids), AVX-512 with bf16 but no AMX (Cooper Lake, as AMD Zen 4),
+# AVX-512 without either (Ice Lake), AVX2 and FMA only (AMD Zen 3), and SSE4 only (the kernels'
+# scalar fallbacks).
+TARGETS = ("sapphirerapids", "cooperlake", "icelake-server", "x86-64-v3", "x86-64-v2")
 COMPILER = shutil.which("gcc")
 
 pytestmark = pytest.mark.skipif(

@@ -1,9 +1,10 @@
 """bf16 GEMM on Intel AMX's tiles (kernels/cpu/amx_gemm.c), on a weight packed once into the tiles
 the kernel loads (`pack`: a plain bf16 tensor [n padded to 16, k padded to 32], which a module may
-hold as a buffer). pagedserve's bf16 layers take it for steps of up to MAX_ROWS rows where
-oneDNN's packed copy of the weight is kept too, and for every step where it is not
-(workers/models/llama.py's `pack_weights`). `available()` is False where the CPU, the compiler or
-the kernel refuse the tile unit.
+hold as a buffer); on a CPU with AVX512-BF16 but no AMX (AMD Zen 4), on its dot products over the
+same packed weight (`isa()` says which). pagedserve's bf16 layers take it for steps of up to
+MAX_ROWS rows where oneDNN's packed copy of the weight is kept too, and for every step where it
+is not (workers/models/llama.py's `pack_weights`). `available()` is False where the CPU has
+neither, or the compiler or the kernel refuse them.
 
 Why: at a decode step's rows a GEMM reads its weight once, and oneDNN's, on its own packed
 weight, read it at about half the memory rate. SmolLM2's 30 layers of projections, 2 threads,
@@ -11,6 +12,8 @@ AMX kernel against oneDNN packed (alternated runs): 1-16 rows 7.6-7.8 against 10
 rows 8.9 / 12.8, 64 rows 11.3 / 14.5, 128 rows 15.6 / 20.4, 160 rows 18.2 / 21.7; 192 rows 21.1
 / 19.9 and 2,048 rows 179 / 140: beyond MAX_ROWS oneDNN's GEMM is the faster (its blocking for
 many rows, which the kernel's 32-row blocks do not match).
+On AVX512-BF16 (Zen 4): 1 row 5.8 against 11.7 ms, 16 rows 11.6 / 15.1, 160 rows 88.0 / 92.2,
+256 rows 144 / 141: the same crossover.
 
     packed = amx_gemm.pack(weight)                 # [n, k] bf16
     out = amx_gemm.linear(x, packed, n, bias)      # x [rows, k] bf16 -> [rows, n] bf16
@@ -37,18 +40,27 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.amx_available.restype, lib.amx_available.argtypes = ctypes.c_int, []
+    lib.amx_kernel_isa.restype, lib.amx_kernel_isa.argtypes = ctypes.c_int, []
     lib.amx_packed_elements.restype, lib.amx_packed_elements.argtypes = _I64, [_I64, _I64]
     lib.amx_pack_bf16.restype, lib.amx_pack_bf16.argtypes = None, [_P, _P, _I64, _I64]
     return lib if lib.amx_available() else None
 
 
 def available() -> bool:
-    """Whether the kernel built with AMX and this process may use the tile unit."""
+    """Whether the kernel built with AMX and this process may use the tile unit, or built with
+    AVX512-BF16 on a CPU without AMX."""
     return _library() is not None
 
 
+def isa() -> str | None:
+    """What the kernel runs on here: "amx", "avx512_bf16", or None where it is not available."""
+    lib = _library()
+    return None if lib is None else {2: "amx", 1: "avx512_bf16"}.get(lib.amx_kernel_isa())
+
+
 def address() -> int | None:
-    """The kernel's entry point, for C callers (kernels/cpu/decoder_layer_bf16.c); None without AMX."""
+    """The kernel's entry point, for C callers (kernels/cpu/decoder_layer_bf16.c); None where it is
+    not available."""
     lib = _library()
     return None if lib is None else ctypes.cast(lib.amx_linear_bf16, _P).value
 

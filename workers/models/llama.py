@@ -174,11 +174,12 @@ def pack_weights(model: LlamaForCausalLM, f32_gemm: str | None = None) -> int:
     default unless given; keeping the plain weight for the C kernel's few-row steps), and bf16
     layers on a CPU that multiplies bf16 natively, where the plain weight gives way to a meta
     tensor; an LM head tied to the embeddings keeps it, as the embeddings. Where that CPU has
-    AMX, a bf16 weight is also packed for the AMX kernel (`amx_weight`, the head's
-    `amx_lm_head`), which takes steps of up to its MAX_ROWS rows, oneDNN's copy the larger ones:
-    bf16 weights are then held twice, as fp32 ones are, while both copies fit in a quarter of the
-    memory available (`_second_copy_fits`); beyond, the AMX kernel alone takes every row count.
-    int8 layers are left as they are. Returns the weights packed."""
+    AMX (or AVX512-BF16: `amx_gemm.available()`), a bf16 weight is also packed for the AMX
+    kernel (`amx_weight`, the head's `amx_lm_head`), which takes steps of up to its MAX_ROWS
+    rows, oneDNN's copy the larger ones: bf16 weights are then held twice, as fp32 ones are,
+    while both copies fit in a quarter of the memory available (`_second_copy_fits`); beyond, the
+    AMX kernel alone takes every row count. int8 layers are left as they are. Returns the weights
+    packed."""
     bf16 = not WIDEN_BF16 and _mkldnn_bf16()
 
     def packable(weight: torch.Tensor) -> bool:
