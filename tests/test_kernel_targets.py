@@ -62,3 +62,17 @@ def test_a_broken_branch_fails_the_check(tmp_path):
     outputs = {target: _compile(source, target, tmp_path / "b.o").returncode
                for target in ("sapphirerapids", "x86-64-v3")}
     assert outputs == {"sapphirerapids": 1, "x86-64-v3": 0}
+
+
+def test_a_library_built_for_one_cpu_is_not_taken_on_another(tmp_path, monkeypatch):
+    # `-march=native` builds for the CPU at hand: a cache folder shared with another CPU (a home
+    # directory on several machines, a VM moved to another host) must build again, not load
+    # instructions that CPU may lack.
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { return 7; }\n")
+    here = kernels.cpu._build(source)
+    assert here is not None and kernels.cpu._build(source) == here  # the same CPU: built once
+    monkeypatch.setattr(kernels.cpu, "_cpu_signature", lambda: b"flags: another cpu")
+    there = kernels.cpu._build(source)
+    assert there is not None and there != here and here.exists()

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -49,6 +50,19 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
+@functools.cache
+def _cpu_signature() -> bytes:
+    """This CPU's model and instruction-set flags: `-march=native` builds for them, so a library
+    built on one CPU is not taken on another that shares the cache folder (a home directory on
+    several machines, a VM whose host changes) where it could run instructions that CPU lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(dict.fromkeys(lines)).encode()  # the first processor's; the others repeat it
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def _with_local_headers(source_path: Path) -> bytes:
     """The source and every header beside it that it includes (`#include "name.h"`): the build's
     cache key, so that a header's change rebuilds its includers."""
@@ -59,13 +73,15 @@ def _with_local_headers(source_path: Path) -> bytes:
 
 def _build(source_path: Path = _SOURCE, defines: tuple[str, ...] = ()) -> Path | None:
     """`source_path` compiled with _FLAGS and `defines` (`-DNAME=value`, for a kernel's variants
-    in tests and benchmarks) into the local cache, once per content; None without a compiler."""
+    in tests and benchmarks) into the local cache, once per content and CPU; None without a
+    compiler."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
     source = _with_local_headers(source_path)
     flags = (*_FLAGS, *defines)
-    tag = hashlib.blake2b(source + compiler.encode() + " ".join(flags).encode(), digest_size=8).hexdigest()
+    tag = hashlib.blake2b(source + compiler.encode() + " ".join(flags).encode() + _cpu_signature(),
+                          digest_size=8).hexdigest()
     target = _cache_dir() / f"{source_path.stem}_{tag}.so"
     if target.exists():
         return target
