@@ -4,8 +4,9 @@
  * Layout (pack_f32_panels): the weight in panels of NR output channels; panel p holds, for each k,
  * the NR channels p*NR .. p*NR+NR-1 side by side (the last panel's missing channels zero), so a
  * k-range of a panel is one contiguous run. The microkernel keeps an MR x NR tile of the output in
- * registers (AVX2: 6 rows x 16 channels, 12 of its 16 vector registers; AVX-512: 12 x 32, 24 of
- * 32) and, per k, loads NR weights, broadcasts MR activations and issues MR x NR / W FMAs.
+ * registers (8-float vectors, the default: 6 rows x 16 channels, 12 of AVX2's 16 vector registers;
+ * 16-float ones, PACKED_GEMM_W=16: 12 x 32, 24 of AVX-512's 32) and, per k, loads NR weights,
+ * broadcasts MR activations and issues MR x NR / W FMAs.
  *
  * Blocking: a KC-long slice of a panel (16 KiB on AVX2) stays in L1 while every MR-row block of
  * an MC-row chunk of the activations (held in L2) runs against it. Threads split the panels, a
@@ -22,12 +23,15 @@
 #include <omp.h>
 #endif
 
+/* 8-float (256-bit) vectors, AVX-512 or not: on the one AVX-512 CPU this kernel has run on, an AMD
+ * Zen 4 (whose 512-bit instructions take its 256-bit units twice), they were the faster at every
+ * row count, SmolLM2's 30 layers of projections, 2 threads, alternated, ms at 16-float / 8-float:
+ * 1 row 16.2 / 14.7, 8 rows 25.1 / 22.0, 12 rows 29.3 / 21.9, 32 rows 47.9 / 41.4, 256 rows 307 /
+ * 293, 2,048 rows 2,336 / 2,142 (where oneDNN's took 26.2, 28.8, 27.0, 41.3, 269 and 2,070). A
+ * CPU with two 512-bit units may differ: `-DPACKED_GEMM_W=16` builds the 16-float tiles
+ * (tests/test_packed_gemm.py checks them). */
 #if !defined(PACKED_GEMM_W)
-#if defined(__AVX512F__)
-#define PACKED_GEMM_W 16
-#else
 #define PACKED_GEMM_W 8
-#endif
 #endif
 #define W PACKED_GEMM_W
 #define NR (2 * W)
