@@ -156,9 +156,10 @@ def test_the_cblas_typed_entry_point_honours_its_strides():
 
 
 def test_the_avx512_tiling_computes_the_same_products():
-    """The AVX-512 build's tiles (16-float vectors: 12 rows x 32 channels) can be run on any x86 CPU
-    by building at that width with the machine's own instructions (GCC splits the vectors): its
-    loops, not the instructions, are what this checks."""
+    """The 16-float build's tiles (PACKED_GEMM_W=16: 12 rows x 32 channels, for AVX-512) can be run
+    on any x86 CPU by building at that width with the machine's own instructions (GCC splits the
+    vectors where they are wider than its registers): its loops, not the instructions, are what
+    this checks."""
     lib = packed_gemm.build_variant("-DPACKED_GEMM_W=16")
     assert lib.packed_f32_panel_width() == 32
     torch.manual_seed(4)
