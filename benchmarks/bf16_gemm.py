@@ -1,11 +1,12 @@
-"""bf16 GEMM: the AMX kernel (kernels/cpu/amx_gemm.c) against oneDNN's GEMM on its own packed
-weight (what torch runs, and what pagedserve ran before), on a model's decoder projections.
+"""bf16 GEMM: the AMX kernel (kernels/cpu/amx_gemm.c; on AVX512-BF16 dot products where the CPU has
+no AMX) against oneDNN's GEMM on its own packed weight (what torch runs, and what pagedserve ran
+before), on a model's decoder projections.
 
 For each row count, one pass over every layer's four projections (QKV, O, gate/up, down) with
 random bf16 weights of the model's shapes, each GEMM kernel timed over the same inputs, the two
 alternated `--repeats` times; the best pass of each is reported, with the ratio and the bytes of
-weight each read per second. Where the machine has no AMX (or the kernel did not build) it says
-so and stops.
+weight each read per second. Where the machine has neither AMX nor AVX512-BF16 (or the kernel did
+not build) it says so and stops.
 
     .venv/bin/python benchmarks/bf16_gemm.py                        # SmolLM2's shapes
     .venv/bin/python benchmarks/bf16_gemm.py --rows 1 16 64 --repeats 3
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     weight_bytes = sum(w.numel() * 2 for w in weights)
     print(f"{MODEL}: {hf_config.num_hidden_layers} layers x 4 projections, {weight_bytes / 1e6:.0f} MB of bf16 "
           f"weights, {torch.get_num_threads()} threads, best of {args.repeats}")
-    print(f"{'rows':>6} {'AMX ms':>9} {'oneDNN ms':>10} {'oneDNN/AMX':>11} {'AMX GB/s':>9}")
+    print(f"{'rows':>6} {'kernel ms':>9} {'oneDNN ms':>10} {'oneDNN/ker.':>11} {'ker. GB/s':>9}")
     results = []
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in set(shapes)}
