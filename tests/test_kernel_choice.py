@@ -162,6 +162,15 @@ def test_large_layers_are_measured_once_and_the_answer_is_read_back(tmp_path, me
     assert other in [e["rows"] for e in entries.values()]
 
 
+def test_answers_are_kept_per_cpu_not_per_model_name(monkeypatch):
+    # "AMD EPYC" named a Zen 3 and a Zen 4 alike, whose fastest GEMMs differ: the key takes the
+    # CPU's flags, as its kernels' builds do.
+    layers = kernel_choice._layers(_packed_layers(2, 256, 256))
+    here = kernel_choice._key(layers)
+    monkeypatch.setattr(kernel_choice.kernels.cpu, "cpu_signature", lambda: b"model name: AMD EPYC\nflags: avx2")
+    assert kernel_choice._key(layers) != here
+
+
 @pytest.mark.parametrize("content", [
     "[8]", "{not json", '{"KEY": 8}', '{"KEY": {"rows": 1000, "gemm": "onednn"}}',
     '{"KEY": {"rows": true, "gemm": "onednn"}}', '{"KEY": {"rows": -1, "gemm": "onednn"}}',

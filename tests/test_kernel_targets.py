@@ -73,6 +73,6 @@ def test_a_library_built_for_one_cpu_is_not_taken_on_another(tmp_path, monkeypat
     source.write_text("int probe(void) { return 7; }\n")
     here = kernels.cpu._build(source)
     assert here is not None and kernels.cpu._build(source) == here  # the same CPU: built once
-    monkeypatch.setattr(kernels.cpu, "_cpu_signature", lambda: b"flags: another cpu")
+    monkeypatch.setattr(kernels.cpu, "cpu_signature", lambda: b"flags: another cpu")
     there = kernels.cpu._build(source)
     assert there is not None and there != here and here.exists()

@@ -53,7 +53,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -119,23 +118,14 @@ def _layers(model: nn.Module) -> list[nn.Linear]:
             and m.weight.device.type == "cpu" and getattr(m, "packed_weight", None) is not None]
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _key(layers: list[nn.Linear]) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in layers})
     kernel = hashlib.blake2b(b"".join(p.read_bytes() for p in KERNEL_SOURCES), digest_size=8).hexdigest()
     gemms = ",".join(llama.F32_GEMMS)  # the candidates
-    text = f"{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemms}|{shapes}"
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    # The CPU's model and flags, as its kernels' builds are keyed: the model name alone ("AMD EPYC")
+    # was the same on a Zen 3 and a Zen 4, whose fastest GEMMs differ.
+    text = f"{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{kernel}|{gemms}|{shapes}"
+    return hashlib.blake2b(kernels.cpu.cpu_signature() + text.encode(), digest_size=8).hexdigest()
 
 
 def _cache_path():
@@ -259,8 +249,14 @@ def _kept_rows(model: nn.Module, layers: list[nn.Linear]) -> int | None:
         return _apply(model, layers, int(override))
     if sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
         return _apply(model, layers, llama.F32_KERNEL_ROWS)
+    entry = _kept_entry(layers)
+    return None if entry is None else _apply(model, layers, entry["rows"], entry["gemm"])
+
+
+def _kept_entry(layers: list[nn.Linear]) -> dict | None:
+    """The answer kept for these layers on this machine, where a valid one is."""
     entry = _read_cache().get(_key(layers))
-    return _apply(model, layers, entry["rows"], entry["gemm"]) if _valid_entry(entry) else None
+    return entry if _valid_entry(entry) else None
 
 
 def kept_f32_gemm(model: nn.Module) -> str | None:
@@ -274,8 +270,8 @@ def kept_f32_gemm(model: nn.Module) -> str | None:
               and m.weight.device.type == "cpu" and m.weight is not head]
     if not llama.PACK_F32 or os.environ.get(OVERRIDE_ENV) or sum(m.weight.nbytes for m in layers) < MIN_MODEL_BYTES:
         return None
-    entry = _read_cache().get(_key(layers))
-    return entry["gemm"] if _valid_entry(entry) else None
+    entry = _kept_entry(layers)
+    return None if entry is None else entry["gemm"]
 
 
 def tune_f32_kernel_rows(model: nn.Module) -> int:

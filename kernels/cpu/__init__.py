@@ -51,10 +51,11 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def _cpu_signature() -> bytes:
+def cpu_signature() -> bytes:
     """This CPU's model and instruction-set flags: `-march=native` builds for them, so a library
     built on one CPU is not taken on another that shares the cache folder (a home directory on
-    several machines, a VM whose host changes) where it could run instructions that CPU lacks."""
+    several machines, a VM whose host changes) where it could run instructions that CPU lacks;
+    workers/kernel_choice.py keys its measured answers by it too."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
@@ -80,7 +81,7 @@ def _build(source_path: Path = _SOURCE, defines: tuple[str, ...] = ()) -> Path |
         return None
     source = _with_local_headers(source_path)
     flags = (*_FLAGS, *defines)
-    tag = hashlib.blake2b(source + compiler.encode() + " ".join(flags).encode() + _cpu_signature(),
+    tag = hashlib.blake2b(source + compiler.encode() + " ".join(flags).encode() + cpu_signature(),
                           digest_size=8).hexdigest()
     target = _cache_dir() / f"{source_path.stem}_{tag}.so"
     if target.exists():
