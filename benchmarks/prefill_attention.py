@@ -5,8 +5,11 @@ on SmolLM2's attention shape (9 query / 3 KV heads of 64, 16-token blocks placed
 Each case is one engine step's prompt chunks, run once per layer (30 calls), the two backends
 alternated; it reports the median ms per step, the causal attention's GFLOP/s (2 FMAs per query
 head, key and element attended), the ratio, and the largest difference between the two outputs.
+`--dtype bfloat16`: queries and cache in bf16, as a bf16 model runs them (the C kernel's bf16 path
+needs AVX512-BF16; torch's is its bf16 SDPA).
 
     .venv/bin/python benchmarks/prefill_attention.py               # ~1 minute
+    .venv/bin/python benchmarks/prefill_attention.py --dtype bfloat16
     .venv/bin/python benchmarks/prefill_attention.py --repeats 3 --layers 2
 """
 
@@ -38,13 +41,14 @@ CASES = {
 }
 
 
-def make_step(query_lens: list[int], cached_lens: list[int], gen: torch.Generator):
-    """A one-layer paged cache holding every chunk's context (its new tokens written by write_kv),
-    the chunks' queries, and each backend's metadata."""
+def make_step(query_lens: list[int], cached_lens: list[int], gen: torch.Generator, dtype: torch.dtype):
+    """A one-layer paged cache of `dtype` holding every chunk's context (its new tokens written by
+    write_kv), the chunks' queries, and each backend's metadata."""
     batch = random_paged_batch(gen, BLOCK_SIZE, query_lens, cached_lens, HEADS, KV_HEADS, HEAD_DIM)
-    metas = {name: batch.metadata(kernels.get_backend(name, "cpu", torch.float32)) for name in ("torch", "cpu")}
-    metas["torch"].backend.write_kv(batch.new_k, batch.new_v, batch.cache, metas["torch"])
-    return batch.cache, batch.query, batch.new_k, batch.new_v, metas
+    cache, query, new_k, new_v = (t.to(dtype) for t in (batch.cache, batch.query, batch.new_k, batch.new_v))
+    metas = {name: batch.metadata(kernels.get_backend(name, "cpu", dtype)) for name in ("torch", "cpu")}
+    metas["torch"].backend.write_kv(new_k, new_v, cache, metas["torch"])
+    return cache, query, new_k, new_v, metas
 
 
 def attention_flops(query_lens: list[int], cached_lens: list[int]) -> int:
@@ -57,16 +61,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=30, help="calls per step (SmolLM2's layers)")
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="queries' and cache's")
     p.add_argument("--result-json", default="benchmarks/results/prefill_attention.json")
     args = p.parse_args(argv)
-    if cpu.load_prefill() is None:
-        print("the C prefill kernel did not build (no C compiler with OpenMP): nothing to compare")
+    dtype = getattr(torch, args.dtype)
+    if not cpu.prefill_takes(dtype):
+        print(f"the C prefill kernel takes no {args.dtype} here (not built, or bf16 without AVX512-BF16): "
+              "nothing to compare")
         return
     gen = torch.Generator().manual_seed(0)
     results = []
     for label, (query_lens, cached_lens) in CASES.items():
-        cache, query, new_k, new_v, metas = make_step(query_lens, cached_lens, gen)
-        backends = {name: kernels.get_backend(name, "cpu", torch.float32) for name in metas}
+        cache, query, new_k, new_v, metas = make_step(query_lens, cached_lens, gen, dtype)
+        backends = {name: metas[name].backend for name in metas}
         outputs = {}
 
         def step(name):
@@ -83,7 +90,7 @@ def main(argv=None) -> None:
                 times[name].append((time.perf_counter() - started) * 1e3)
         flops = attention_flops(query_lens, cached_lens) * args.layers
         row = {"case": label, "query_lens": query_lens, "cached_lens": cached_lens,
-               "max_abs_difference": (outputs["cpu"] - outputs["torch"]).abs().max().item(),
+               "max_abs_difference": (outputs["cpu"].float() - outputs["torch"].float()).abs().max().item(),
                **{name: {"median_ms": statistics.median(t), "best_ms": min(t),
                          "median_gflops": flops / statistics.median(t) / 1e6} for name, t in times.items()}}
         row["torch_over_cpu_median"] = row["torch"]["median_ms"] / row["cpu"]["median_ms"]
@@ -92,7 +99,7 @@ def main(argv=None) -> None:
               f"C kernel {row['cpu']['median_ms']:.1f} ms ({row['cpu']['median_gflops']:.0f} GFLOP/s): "
               f"{row['torch_over_cpu_median']:.2f}x; outputs differ by at most {row['max_abs_difference']:.1e}",
               flush=True)
-    write_json({"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+    write_json({"dtype": args.dtype, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
                 "layers": args.layers, "repeats": args.repeats, "threads": torch.get_num_threads(),
                 "cpu_count": os.cpu_count(), "results": results}, args.result_json)
 

@@ -121,30 +121,56 @@ def test_cpu_decode_kernel_groups_of_heads_and_tokens(heads, block_size, head_di
 # time. Prompts longer than a tile, fresh and over cached context, ending inside and on the edge
 # of a tile and of a block; 8-token blocks (shorter than a group of 16 keys) and 32 (two groups);
 # 1, 3, 4 and 8 query heads per KV head, and 9, which the kernel declines (torch's path then).
+# bf16 (queries, cache and output) where the CPU has AVX512-BF16, against torch in fp32 on the same
+# bf16 values: the kernel's sums are fp32, its output rounded to bf16 once.
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (16, 2), (9, 1)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_prefill_kernel_tiles_of_positions_heads_and_keys(heads, block_size, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_kernel_tiles_of_positions_heads_and_keys(heads, block_size, head_dim, dtype):
     if not cpu.available():
         pytest.skip("no C compiler for the CPU kernels")
+    if not cpu.prefill_takes(dtype):
+        pytest.skip(f"the C prefill kernel takes no {dtype} on this CPU (bf16 needs AVX512-BF16)")
     num_heads, num_kv_heads = heads
     query_lens, cached_lens = [37, 16, 1, 17, 50, 9], [0, 0, 30, 33, 64, 100]
     results = []
-    for name in ("torch", "cpu"):
-        backend = kernels.get_backend(name, "cpu", torch.float32)
+    for name, run_dtype in (("torch", torch.float32), ("cpu", dtype)):
+        backend = kernels.get_backend(name, "cpu", run_dtype)
         gen = torch.Generator().manual_seed(num_heads * block_size + head_dim)
         cache, query, new_k, new_v, meta, _, _ = _random_batch(
             gen, block_size, query_lens, cached_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, backend=backend)
+        cache, query, new_k, new_v = (t.to(dtype).to(run_dtype) for t in (cache, query, new_k, new_v))
         if name == "cpu":  # the kernel takes every chunk of 9+ tokens, unless it declines the shape
             assert meta.prefill_seqs is not None and meta.prefills.groups == []
             assert meta.prefill_seqs.q_len.tolist() == [37, 16, 17, 50, 9]
         backend.write_kv(new_k, new_v, cache, meta)
         results.append(backend.paged_attention(query, new_k, new_v, cache, meta, scale=0.125))
     want, got = results
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: half a unit in the last place of values near 1-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     declined = num_heads // num_kv_heads > 8
     assert (meta.prefill_seqs is None) == declined and backend._prefill_in_c == (not declined)
+
+
+def test_cpu_prefill_kernel_takes_bf16_only_with_avx512_bf16_and_a_bf16_query():
+    """A bf16 cache's prompt chunks go to the C kernel where the CPU has AVX512-BF16, else torch's
+    path; an fp32 query over a bf16 cache (an fp32 model with kv_cache_dtype bf16) is declined."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert cpu.prefill_takes(torch.bfloat16) == (" avx512_bf16" in flags)
+    assert kernels.get_backend("cpu", "cpu", torch.bfloat16)._prefill_in_c == cpu.prefill_takes(torch.bfloat16)
+    backend = kernels.get_backend("cpu", "cpu", torch.float32)  # its metadata holds the chunks for the kernel
+    cache, query, new_k, new_v, meta, _, _ = _random_batch(
+        torch.Generator().manual_seed(3), 16, [20, 12], [0, 40], num_heads=6, num_kv_heads=2, head_dim=64,
+        backend=backend)
+    backend.write_kv(new_k, new_v, cache, meta)
+    out = torch.zeros(query.shape)
+    assert not cpu.prefill_attention(out, query.contiguous(), cache.bfloat16(), meta.prefill_seqs, 0.125)
+    assert torch.count_nonzero(out) == 0  # declined: nothing written
 
 
 def test_cpu_prefill_kernel_keeps_the_softmax_exact_over_a_wide_range_of_scores():
@@ -165,18 +191,22 @@ def test_cpu_prefill_kernel_keeps_the_softmax_exact_over_a_wide_range_of_scores(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_prefill_attention_benchmark_compares_backends_that_agree(tmp_path):
-    """benchmarks/prefill_attention.py, one call per case: both backends timed, their outputs alike."""
-    if not cpu.available():
-        pytest.skip("no C compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefill_attention_benchmark_compares_backends_that_agree(tmp_path, dtype):
+    """benchmarks/prefill_attention.py, one call per case: both backends timed, their outputs alike
+    (bf16: both round their outputs to bf16, from sums taken in different orders)."""
+    if not cpu.prefill_takes(dtype):
+        pytest.skip(f"the C prefill kernel takes no {dtype} here")
     from benchmarks import prefill_attention
 
     out = tmp_path / "prefill_attention.json"
-    prefill_attention.main(["--repeats", "1", "--layers", "1", "--result-json", str(out)])
-    results = json.loads(out.read_text())["results"]
-    assert [r["case"] for r in results] == list(prefill_attention.CASES)
-    for row in results:
-        assert row["max_abs_difference"] < 1e-4
+    prefill_attention.main(["--repeats", "1", "--layers", "1", "--dtype", str(dtype).split(".")[1],
+                            "--result-json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["dtype"] == str(dtype).split(".")[1]
+    assert [r["case"] for r in saved["results"]] == list(prefill_attention.CASES)
+    for row in saved["results"]:
+        assert row["max_abs_difference"] < (1e-4 if dtype == torch.float32 else 2e-2)
         assert row["torch"]["median_ms"] > 0 and row["cpu"]["median_ms"] > 0
 
 

@@ -329,11 +329,20 @@ _PREFILL_SOURCE = Path(__file__).with_name("paged_prefill_attention.c")
 
 @functools.cache
 def load_prefill() -> ctypes.CDLL | None:
-    lib = _library(_PREFILL_SOURCE, "paged_prefill_attention_f32",
-                   (_PTR,) * 7 + (_I64,) * 10 + (ctypes.c_float, ctypes.c_int))
+    lib = _library(_PREFILL_SOURCE, "paged_prefill_attention",
+                   (_PTR,) * 7 + (_I64,) * 10 + (ctypes.c_float, ctypes.c_int, ctypes.c_int))
     if lib is not None:
-        lib.paged_prefill_attention_f32.restype = ctypes.c_int
+        lib.paged_prefill_attention.restype = ctypes.c_int
+        lib.paged_prefill_attention_has_bf16.restype = ctypes.c_int
     return lib
+
+
+def prefill_takes(dtype: torch.dtype) -> bool:
+    """Whether the C prefill kernel takes queries and a cache of `dtype`: fp32 wherever it builds,
+    bf16 where the CPU has AVX512-BF16 (its dot products)."""
+    lib = load_prefill()
+    return lib is not None and (dtype == torch.float32
+                                or dtype == torch.bfloat16 and bool(lib.paged_prefill_attention_has_bf16()))
 
 
 @dataclass(slots=True)
@@ -349,20 +358,20 @@ class PrefillSeqs:
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, seqs: PrefillSeqs,
                       scale: float) -> bool:
     """Causal attention of every chunk's rows of `query` over its paged context, into the same
-    rows of `out` (kernels/cpu/paged_prefill_attention.c); both [T, H, D] contiguous fp32, the
-    cache fp32. False, with nothing written, for shapes the kernel does not take (head sizes other
-    than 64 and 128, more than 8 query heads per KV head)."""
-    lib = load_prefill()
-    if lib is None or kv_cache.dtype != torch.float32 or query.dtype != torch.float32:
+    rows of `out` (kernels/cpu/paged_prefill_attention.c); both [T, H, D] contiguous, of the
+    cache's dtype (`prefill_takes`). False, with nothing written, for dtypes and shapes the kernel
+    does not take (head sizes other than 64 and 128, more than 8 query heads per KV head)."""
+    if not (query.dtype == out.dtype == kv_cache.dtype and prefill_takes(kv_cache.dtype)):
         return False
+    lib = load_prefill()
     s_block, s_kv, s_tok, s_head, s_d = kv_cache.stride()
     assert s_d == 1 and query.is_contiguous() and out.is_contiguous()
     num_heads, head_dim = query.shape[1], query.shape[2]
-    return lib.paged_prefill_attention_f32(
+    return lib.paged_prefill_attention(
         out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), seqs.block_tables.data_ptr(), seqs.q_start.data_ptr(),
         seqs.q_len.data_ptr(), seqs.ctx_len.data_ptr(), seqs.q_len.shape[0], num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], seqs.block_tables.shape[1], s_block, s_kv, s_tok, s_head, scale,
-        torch.get_num_threads()) == 0
+        torch.get_num_threads(), int(kv_cache.dtype == torch.bfloat16)) == 0
 
 
 def usable(device: str, dtype: torch.dtype) -> bool:
@@ -392,16 +401,18 @@ SMALL_CHUNK = 8
 
 class CpuBackend:
     """Decodes (and small chunks over cached context) on the C decode kernel, prompt chunks on the
-    C prefill kernel (fp32 caches), both reading the paged cache in place (no gather); the rest
-    (bf16 prompt chunks, shapes the kernels decline) on the torch reference."""
+    C prefill kernel (fp32 caches; bf16 ones on CPUs with AVX512-BF16), both reading the paged
+    cache in place (no gather); the rest (shapes and dtypes the kernels decline) on the torch
+    reference."""
 
     name = "cpu"
 
     def __init__(self, kv_dtype: torch.dtype = torch.float32):
         self._torch = reference.TorchBackend("cpu")
-        # Prompt chunks on the C prefill kernel: fp32 caches, until a model's shape is one it
-        # declines (then the torch path, from that step on).
-        self._prefill_in_c = kv_dtype == torch.float32 and load_prefill() is not None
+        # Prompt chunks on the C prefill kernel where it takes the cache's dtype, until a model's
+        # shape (or a query dtype other than the cache's) is one it declines: then the torch
+        # path, from that step on.
+        self._prefill_in_c = prefill_takes(kv_dtype)
 
     def build_metadata(self, query_lens, context_lens, block_tables, slot_mapping, block_size: int,
                        max_gather_tokens: int = 1 << 30) -> CpuMetadata:
