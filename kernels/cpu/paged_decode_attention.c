@@ -147,9 +147,9 @@ INLINE vf loadw(const void *kv, int64_t i, const int bf16) {
 #endif
 }
 
-/* Software prefetch of the lines a pass will read next, into L2, spread over the pass before it:
- * while a block's scores read its K, its V is asked for, and while its values read V, the next
- * block's K (a layer's block is a few KB of the cache, the next one a whole block's layers away,
+/* Software prefetch of the next block, into L2, spread over the current one: while a block's
+ * scores read its K, the next block's K is asked for, and while its values read V, the next
+ * block's V (a layer's block is a few KB of the cache, the next one a whole block's layers away,
  * and the hardware's prefetcher stops at each page it has not seen). `parts` calls to
  * prefetch_step ask for `lines` lines between them, a running remainder spreading them with no
  * division (two int64 divisions a call once took a third of the kernel's samples).
@@ -161,7 +161,13 @@ INLINE vf loadw(const void *kv, int64_t i, const int bf16) {
  * kernel at 13-16 GB/s where a plain walk of the same blocks reads 25-28; spread over all the
  * scores' keys, then split as here (V during the scores, the next K during the values, at most
  * one block in flight), best of 15 alternated runs: 64 x 300 56.6 -> 44.9 ms, 16 x 350 17.6 ->
- * 13.1, 4 x 1,200 14.1 -> 10.5, 64 x 100 22.5 -> 17.7. Which prefetch level made no difference. */
+ * 13.1, 4 x 1,200 14.1 -> 10.5, 64 x 100 22.5 -> 17.7. Which prefetch level made no difference.
+ * On an AMD EPYC Zen 4 (AVX-512), that split asked for a block's V only a scores pass before its
+ * values read it; asking a whole block ahead for both (the next K during the scores, the next V
+ * during the values), best of 9 alternated, fp32: 64 decodes of 300-800 tokens 86.6 -> 77.2 ms,
+ * 16 of 20-600 10.3 -> 9.3, 4 of 1,000-1,400 9.7 -> 8.5, 64 of 50-150 alike; bf16 64 x 300-800
+ * 45.5 -> 42.8; the AVX2 build on the same CPU, fp32, 83.0 -> 76.5 and 9.2 -> 8.8. Two blocks
+ * ahead measured no better, into L1 worse (100.5 ms). */
 typedef struct {
     const char *line; /* the run's first line */
     int64_t lines, parts, done, remainder;
@@ -263,16 +269,15 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
          * pass. (Once per key, the scores' steps were a loop and a branch beside each key's 8 FMAs:
          * stepping per group of keys, with the whole-vector store of the scores below, 64 decodes of
          * 300 tokens, 30 layers, AMD EPYC, 2 threads, 15 alternated runs: 47.1 -> 44.4 ms.) */
-        Prefetch v_ahead = prefetch_run((const char *)kv + (block + sh->s_kv) * elem, n * sh->s_tok * elem,
-                                        H * ((n + W - 1) / W));
-        Prefetch k_ahead = prefetch_run(k_next, n_next * sh->s_tok * elem,
+        Prefetch k_ahead = prefetch_run(k_next, n_next * sh->s_tok * elem, H * ((n + W - 1) / W));
+        Prefetch v_ahead = prefetch_run(k_next ? k_next + sh->s_kv * elem : NULL, n_next * sh->s_tok * elem,
                                         sh->num_kv_heads * ((rep + tile - 1) / tile) * n * VALUE_PASSES(D));
         for (int64_t i0 = 0; i0 < n; i0 += W) {
             const int64_t m = n - i0 < W ? n - i0 : W;
             for (int64_t g = 0, h = 0; g < sh->num_kv_heads; ++g) {
                 const int64_t k0 = block + i0 * sh->s_tok + g * sh->s_head;
                 for (int64_t r = 0; r < rep; ++r, ++h) {
-                    prefetch_step(&v_ahead);
+                    prefetch_step(&k_ahead);
                     vf part[W];
 #if defined(__AVX512BF16__)
                     if (bf16 && q_bf16) { /* see bf16_exact */
@@ -327,10 +332,10 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             for (int64_t r0 = 0; r0 < rep; r0 += tile) {
                 const int64_t h0 = g * rep + r0;
                 switch (rep - r0 < tile ? rep - r0 : tile) {
-                case 1: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 1, D, bf16, &k_ahead); break;
-                case 2: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 2, D, bf16, &k_ahead); break;
-                case 3: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 3, D, bf16, &k_ahead); break;
-                default: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 4, D, bf16, &k_ahead); break;
+                case 1: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 1, D, bf16, &v_ahead); break;
+                case 2: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 2, D, bf16, &v_ahead); break;
+                case 3: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 3, D, bf16, &v_ahead); break;
+                default: values_tile(o, scores, kv, v0, n, sh->s_tok, bs, h0, 4, D, bf16, &v_ahead); break;
                 }
             }
         }
