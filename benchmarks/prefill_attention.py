@@ -99,8 +99,9 @@ def main(argv=None) -> None:
               f"C kernel {row['cpu']['median_ms']:.1f} ms ({row['cpu']['median_gflops']:.0f} GFLOP/s): "
               f"{row['torch_over_cpu_median']:.2f}x; outputs differ by at most {row['max_abs_difference']:.1e}",
               flush=True)
-    write_json({"dtype": args.dtype, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
-                "layers": args.layers, "repeats": args.repeats, "threads": torch.get_num_threads(),
+    write_json({"dtype": args.dtype, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                "block_size": BLOCK_SIZE, "layers": args.layers, "repeats": args.repeats,
+                "threads": torch.get_num_threads(),
                 "cpu_count": os.cpu_count(), "results": results}, args.result_json)
 
 
