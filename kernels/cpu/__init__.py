@@ -337,9 +337,11 @@ def load_prefill() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
 def prefill_takes(dtype: torch.dtype) -> bool:
     """Whether the C prefill kernel takes queries and a cache of `dtype`: fp32 wherever it builds,
-    bf16 where the CPU has AVX512-BF16 (its dot products)."""
+    bf16 where the CPU has AVX512-BF16 (its dot products). Asked once per dtype: every layer of a
+    prompt step asks."""
     lib = load_prefill()
     return lib is not None and (dtype == torch.float32
                                 or dtype == torch.bfloat16 and bool(lib.paged_prefill_attention_has_bf16()))

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_bits.h"
 #include "decode_attention_fn.h"
 
 typedef void (*norm_fn)(uint16_t *x, const uint16_t *delta, int64_t d_row, int64_t d_col, const uint16_t *w,
@@ -62,11 +63,6 @@ struct step {
     float scale;
 };
 
-static inline uint16_t round_to_bf16(float f) {  /* to nearest even, as torch rounds (activations are finite) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* residual += delta (none at the first layer; [rows, hidden] contiguous), then the input norm. */
 void bf16_input_norm(const struct kernels *kn, const struct layer *l, const struct step *s, const uint16_t *delta) {
@@ -96,13 +92,10 @@ void bf16_attention(const struct kernels *kn, const struct layer *l, const struc
     }
     if (!s->block_tables) return;
     const int64_t n = rows * q_size;
-    for (int64_t i = 0; i < n; ++i) {  /* widened exactly: a bf16 is a float's upper half */
-        const uint32_t bits = (uint32_t)s->q[i] << 16;
-        memcpy(s->query32 + i, &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < n; ++i) s->query32[i] = bf16_to_f32(s->q[i]);  /* widened exactly */
     kn->attend(s->out32, s->query32, l->cache, s->block_tables, s->context_lens, rows, s->heads, s->kv_heads, d,
                s->block_size, s->max_blocks, s->s_block, s->s_kv, s->s_tok, d, s->scale, s->num_threads, 1);
-    for (int64_t i = 0; i < n; ++i) s->attention[i] = round_to_bf16(s->out32[i]);
+    for (int64_t i = 0; i < n; ++i) s->attention[i] = f32_to_bf16(s->out32[i]);
 }
 
 /* silu(gate) * up of the gate/up projection ([rows, 2 inter], contiguous) into act. */

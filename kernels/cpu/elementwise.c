@@ -16,6 +16,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16_bits.h"
+
 void add_rms_norm_f32(float *x, const float *delta, int64_t d_row, int64_t d_col, const float *w,
                       float *out, int64_t rows, int64_t dim, float eps, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -80,18 +82,6 @@ void rope_f32(float *out, const float *x, int64_t x_row, int64_t x_head, int64_t
                 rope_head_f32(o, xh, x_col, cr, sr, half);
         }
     }
-}
-
-/* bf16 <-> fp32 by their bits: bf16 is fp32's upper half. Integer operations, so -ffast-math
- * cannot merge a rounding into the arithmetic around it. (No NaN handling: activations are finite.) */
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_bits.h"
 #include "sum16.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -35,11 +36,7 @@
 /* The cache's element i as fp32: `bf16` is a compile-time constant in every caller, so each copy
  * of the loops reads one type (a bf16 is a float's upper half: widening is exact). */
 INLINE float kv_at(const void *kv, int64_t i, const int bf16) {
-    if (!bf16) return ((const float *)kv)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)kv)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bf16 ? bf16_to_f32(((const uint16_t *)kv)[i]) : ((const float *)kv)[i];
 }
 
 typedef struct {

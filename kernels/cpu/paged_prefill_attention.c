@@ -38,6 +38,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16_bits.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAS_BF16 1
@@ -197,13 +199,6 @@ INLINE void scores_pass_bf16(float *s, const uint32_t *qt, const uint16_t *k0, i
 INLINE vf load_widened(const uint16_t *p) { (void)p; return (vf){0}; }
 #endif
 
-/* fp32 to bf16, rounded to nearest, even (finite values: the build assumes no NaNs) */
-INLINE uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 /* A pass of scores over keys k0.. of the cache's dtype (the queries `qt` as attend_tile holds them). */
 INLINE void scores(float *s, const void *qt, const char *k0, const Shape *sh, int64_t kmax, int64_t stride, int64_t v0,
                    const int RB, const int64_t D, const int BF16) {
@@ -346,7 +341,7 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
             const float inv = 1.f / sum[r / W][r % W];
             const int64_t at = ((q_row0 + first + p) * H + g * rep + h) * D;
             if (BF16)
-                for (int64_t d = 0; d < D; ++d) ((uint16_t *)out)[at + d] = to_bf16(acc[r][d] * inv);
+                for (int64_t d = 0; d < D; ++d) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[r][d] * inv);
             else
                 for (int64_t d = 0; d < D; ++d) ((float *)out)[at + d] = acc[r][d] * inv;
         }
