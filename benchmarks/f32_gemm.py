@@ -1,8 +1,8 @@
 """fp32 GEMMs: the kernels an fp32 linear layer can run on (workers/models/llama.py), side by side
 on a model's decoder projections: MKL's GEMM on a weight packed once (kernels/cpu/mkl_packed.py),
 oneDNN's on its own packed weight, pagedserve's own on its panels (kernels/cpu/packed_gemm.c),
-torch's `mm` on the plain weight, and, up to 16 rows, the C weight kernel
-(kernels/cpu/weight_gemv.c).
+and built without its prefetch of the next block (the code before it: "no next"), torch's `mm` on
+the plain weight, and, up to 16 rows, the C weight kernel (kernels/cpu/weight_gemv.c).
 
 Which is fastest at a decode batch's rows is the CPU's (MKL's on a Xeon with AVX-512, pagedserve's
 on an AMD EPYC), which is why a worker measures the packed GEMM and the C kernel's crossover once per
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from benchmarks.bf16_gemm import MODEL, projection_shapes, timed  # noqa: E402
-from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear  # noqa: E402
+from kernels.cpu import F32_GEMV_MAX_ROWS, f32_linear, packed_gemm  # noqa: E402
 from workers.models import llama  # noqa: E402
 
 
@@ -41,6 +41,10 @@ def kernels_for(weights: list[torch.Tensor]) -> dict[str, Callable]:
         if gemm in llama.F32_GEMMS:
             packed = [llama._pack(w, gemm) for w in weights]
             kernels[name] = lambda x, i, packed=packed: llama.packed_linear(x, packed[i])
+    if "pagedserve" in llama.F32_GEMMS:  # the same panels, without prefetching the next block
+        without = packed_gemm.build_variant("-DNEXT_BLOCK_PREFETCH=0")
+        packed = [packed_gemm.PackedWeight(w) for w in weights]
+        kernels["pagedserve, no next"] = lambda x, i, packed=packed: packed_gemm.linear(x, packed[i], lib=without)
     kernels["torch.mm"] = lambda x, i: torch.mm(x, weights[i].t())
     kernels["C kernel"] = lambda x, i: f32_linear(x, weights[i])  # None beyond its rows
     return kernels

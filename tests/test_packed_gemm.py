@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import json
 import os
 import pickle
 import subprocess
@@ -109,6 +110,34 @@ def test_the_fixed_split_build_computes_the_same_products():
     for rows, n_out, k_in in [(64, 960, 576), (301, 100, 1000)]:
         w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
         torch.testing.assert_close(_variant_product(lib, x, w, 2), _expected(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_build_without_next_block_prefetch_gives_the_same_bits():
+    """The prefetch of a block's successor rides in a block's second row tile (a whole one, or the
+    remainder after the first): row counts with and without one, in one L2 chunk and over two,
+    give bit for bit what the build without it gives, and what torch gives."""
+    without = packed_gemm.build_variant("-DNEXT_BLOCK_PREFETCH=0")
+    torch.manual_seed(8)
+    for rows in (6, 7, 8, 13, 39, 150):
+        for n_out, k_in in [(960, 576), (203, 1000)]:
+            w, x = torch.randn(n_out, k_in), torch.randn(rows, k_in)
+            packed = packed_gemm.PackedWeight(w)
+            ours = packed_gemm.linear(x, packed)
+            assert torch.equal(ours, packed_gemm.linear(x, packed, lib=without)), (rows, n_out, k_in)
+            torch.testing.assert_close(ours, _expected(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_f32_gemm_benchmark_times_every_kernel(tmp_path):
+    """benchmarks/f32_gemm.py, one layer: a time for each GEMM this torch has, pagedserve's with
+    and without the next block's prefetch among them."""
+    from benchmarks import f32_gemm
+
+    out = tmp_path / "f32_gemm.json"
+    f32_gemm.main(["--rows", "1", "8", "--repeats", "1", "--layers", "1", "--result-json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 8]
+    for r in results:
+        assert r["pagedserve packed_s"] > 0 and r["pagedserve, no next_s"] > 0
 
 
 def test_the_packed_copy_is_its_own_and_may_be_copied_and_pickled():

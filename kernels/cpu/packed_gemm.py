@@ -84,11 +84,13 @@ class PackedWeight:
         return self.buffer.data_ptr()
 
 
-def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) for a 2-d fp32 `x` (any row count), W packed in `packed`."""
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) for a 2-d fp32 `x` (any row count), W packed in `packed`; on `lib` (a
+    `build_variant`) where given, else the production build."""
     x = cpu.packed_gemm_input(x, packed.k_in, MAX_ROWS)
     out = torch.empty(x.shape[0], packed.n_out, dtype=torch.float32)
     if x.shape[0]:
-        _library().packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0], packed.n_out,
+        (lib or _library()).packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0], packed.n_out,
                                    packed.k_in, torch.get_num_threads())
     return out if bias is None else out.add_(bias)
