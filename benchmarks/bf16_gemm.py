@@ -5,7 +5,8 @@ before), on a model's decoder projections.
 For each row count, one pass over every layer's four projections (QKV, O, gate/up, down) with
 random bf16 weights of the model's shapes, each GEMM kernel timed over the same inputs, the two
 alternated `--repeats` times; the best pass of each is reported, with the ratio and the bytes of
-weight each read per second. Where the machine has neither AMX nor AVX512-BF16 (or the kernel did
+weight each read per second. On AVX512-BF16 the kernel as built without its prefetch of the next
+pair of blocks (the code before it, "no next") is timed beside them. Where the machine has neither AMX nor AVX512-BF16 (or the kernel did
 not build) it says so and stops.
 
     .venv/bin/python benchmarks/bf16_gemm.py                        # SmolLM2's shapes
@@ -63,30 +64,37 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in shapes]
     amx = [amx_gemm.pack(w) for w in weights]
+    # On AVX512-BF16 the kernel also runs as built without its prefetch of the next pair of blocks.
+    without_next = amx_gemm.build_variant("-DDP_NEXT_GROUP=0") if amx_gemm.isa() == "avx512_bf16" else None
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     weight_bytes = sum(w.numel() * 2 for w in weights)
     print(f"{MODEL}: {hf_config.num_hidden_layers} layers x 4 projections, {weight_bytes / 1e6:.0f} MB of bf16 "
           f"weights, {torch.get_num_threads()} threads, best of {args.repeats}")
-    print(f"{'rows':>6} {'kernel ms':>9} {'oneDNN ms':>10} {'oneDNN/ker.':>11} {'ker. GB/s':>9}")
+    print(f"{'rows':>6} {'kernel ms':>9} {'oneDNN ms':>10} {'oneDNN/ker.':>11} {'ker. GB/s':>9}"
+          + (f" {'no next ms':>10} {'no next/ker.':>12}" if without_next else ""))
     results = []
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in set(shapes)}
 
-        def run_amx():
+        def run_amx(lib=None):
             for (n, k), packed in zip(shapes, amx):
-                amx_gemm.linear(inputs[k], packed, n)
+                amx_gemm.linear(inputs[k], packed, n, lib=lib)
 
         def run_onednn():
             for (n, k), packed in zip(shapes, onednn):
                 torch.ops.mkldnn._linear_pointwise(inputs[k], packed, None, "none", [], "")
 
         run_amx(), run_onednn()  # first calls: oneDNN builds its kernels for the shape
-        t_amx, t_dnn = float("inf"), float("inf")
-        for _ in range(args.repeats):  # alternated, so a slow minute hits both
+        t_amx, t_dnn, t_without = float("inf"), float("inf"), float("inf")
+        for _ in range(args.repeats):  # alternated, so a slow minute hits all
             t_amx, t_dnn = min(t_amx, timed(run_amx)), min(t_dnn, timed(run_onednn))
+            if without_next:
+                t_without = min(t_without, timed(lambda: run_amx(without_next)))
         print(f"{rows:>6} {t_amx * 1e3:>9.2f} {t_dnn * 1e3:>10.2f} {t_dnn / t_amx:>10.2f}x "
-              f"{weight_bytes / t_amx / 1e9:>9.1f}")
-        results.append({"rows": rows, "amx_s": t_amx, "onednn_s": t_dnn})
+              f"{weight_bytes / t_amx / 1e9:>9.1f}"
+              + (f" {t_without * 1e3:>10.2f} {t_without / t_amx:>11.2f}x" if without_next else ""))
+        results.append({"rows": rows, "amx_s": t_amx, "onednn_s": t_dnn,
+                        **({"no_next_s": t_without} if without_next else {})})
     print(f"the kernel ran on {amx_gemm.isa()}; pagedserve takes it up to {amx_gemm.MAX_ROWS} rows, "
           "oneDNN's GEMM beyond")
     out = Path(args.result_json)

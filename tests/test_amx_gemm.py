@@ -86,8 +86,24 @@ def test_the_gemm_benchmark_times_both_kernels_on_the_models_projections(tmp_pat
     result = json.loads(out.read_text())
     assert [r["rows"] for r in result["results"]] == [1, 3]
     assert all(r["amx_s"] > 0 and r["onednn_s"] > 0 for r in result["results"])
+    if amx_gemm.isa() == "avx512_bf16":
+        assert all(r["no_next_s"] > 0 for r in result["results"])
     assert result["weight_bytes"] == 30 * 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
     assert "oneDNN/ker." in capsys.readouterr().out
+
+
+@pytest.mark.skipif(amx_gemm.isa() != "avx512_bf16", reason="the next pair's prefetch is the AVX512-BF16 path's")
+def test_the_build_without_the_next_pairs_prefetch_gives_the_same_bits():
+    """The first row tile of a pair of blocks prefetches the next pair from 3 rows: row counts below
+    and from there, one tile and more, an odd last block, give bit for bit what the build without
+    it gives."""
+    without = amx_gemm.build_variant("-DDP_NEXT_GROUP=0")
+    torch.manual_seed(3)
+    for rows in (1, 2, 3, 8, 12, 13, 40):
+        for n, k in [(960, 576), (48, 100)]:
+            w, x = torch.randn(n, k).to(torch.bfloat16), torch.randn(rows, k).to(torch.bfloat16)
+            packed = amx_gemm.pack(w)
+            assert torch.equal(amx_gemm.linear(x, packed, n), amx_gemm.linear(x, packed, n, lib=without)), (rows, n)
 
 
 def test_a_weight_that_is_not_contiguous_packs_as_its_contiguous_copy():

@@ -34,16 +34,36 @@ _SOURCE = Path(__file__).with_name("amx_gemm.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu._library(_SOURCE, "amx_linear_bf16", (_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int))
-    if lib is None:
-        return None
+_GEMM_ARGTYPES = (_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int)
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`'s entry points given their C signatures."""
+    lib.amx_linear_bf16.restype, lib.amx_linear_bf16.argtypes = None, list(_GEMM_ARGTYPES)
     lib.amx_available.restype, lib.amx_available.argtypes = ctypes.c_int, []
     lib.amx_kernel_isa.restype, lib.amx_kernel_isa.argtypes = ctypes.c_int, []
     lib.amx_packed_elements.restype, lib.amx_packed_elements.argtypes = _I64, [_I64, _I64]
     lib.amx_pack_bf16.restype, lib.amx_pack_bf16.argtypes = None, [_P, _P, _I64, _I64]
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu._library(_SOURCE, "amx_linear_bf16", _GEMM_ARGTYPES)
+    if lib is None:
+        return None
+    lib = _typed(lib)
     return lib if lib.amx_available() else None
+
+
+def build_variant(*defines: str) -> ctypes.CDLL:
+    """amx_gemm.c built with `defines` (its compile-time knobs, e.g. `-DDP_NEXT_GROUP=0`) beside the
+    production build, typed alike, for `linear(..., lib=)`: for tests and benchmarks that compare
+    the two."""
+    path = cpu._build(_SOURCE, defines)
+    if path is None:
+        raise RuntimeError("the bf16 GEMM kernel did not build (no C compiler with OpenMP)")
+    return _typed(ctypes.CDLL(str(path)))
 
 
 def available() -> bool:
@@ -76,9 +96,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) for a 2-d bf16 `x` [rows, k], W [n_out, k] packed by `pack`: [rows, n_out]
-    bf16, summed in fp32 and rounded once (the bias added before the rounding)."""
+    bf16, summed in fp32 and rounded once (the bias added before the rounding); on `lib` (a
+    `build_variant`) where given, else the production build."""
     k = x.shape[-1]
     if x.dim() != 2 or x.dtype != torch.bfloat16 or packed.shape != (-(-n_out // 16) * 16, -(-k // 32) * 32):
         raise ValueError(f"x: [rows, k] bf16 for a packed [{n_out}, k] weight, got {x.dtype} {tuple(x.shape)} "
@@ -88,7 +110,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
     x, bias = x.contiguous(), None if bias is None else bias.contiguous()  # held while C reads them
     out = torch.empty(x.shape[0], n_out, dtype=torch.bfloat16)
     if x.shape[0]:
-        _library().amx_linear_bf16(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
+        (lib or _library()).amx_linear_bf16(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
                                    None if bias is None else bias.data_ptr(), x.shape[0], n_out, k,
                                    torch.get_num_threads())
     return out
