@@ -6,8 +6,8 @@ For each row count, one pass over every layer's four projections (QKV, O, gate/u
 random bf16 weights of the model's shapes, each GEMM kernel timed over the same inputs, the two
 alternated `--repeats` times; the best pass of each is reported, with the ratio and the bytes of
 weight each read per second. On AVX512-BF16 the kernel as built without its prefetch of the next
-pair of blocks (the code before it, "no next") is timed beside them. Where the machine has neither AMX nor AVX512-BF16 (or the kernel did
-not build) it says so and stops.
+pair of blocks (the code before it, "no next") is timed beside them. Where the machine has
+neither AMX nor AVX512-BF16 (or the kernel did not build) it says so and stops.
 
     .venv/bin/python benchmarks/bf16_gemm.py                        # SmolLM2's shapes
     .venv/bin/python benchmarks/bf16_gemm.py --rows 1 16 64 --repeats 3
