@@ -300,8 +300,9 @@ def test_an_engine_measures_once_when_its_weights_are_in_place(tiny_llama, tmp_p
 
 
 def test_the_gemm_benchmark_times_every_kernel_on_the_models_projections(tmp_path, capsys):
-    """benchmarks/f32_gemm.py: each packed GEMM and torch's `mm` at every row count asked for, the C
-    kernel only up to its rows, written to its JSON."""
+    """benchmarks/f32_gemm.py: each packed GEMM and torch's `mm` at every row count asked for (and
+    pagedserve's built without its next block's prefetch too), the C kernel only up to its rows,
+    written to its JSON."""
     from benchmarks import f32_gemm
 
     out = tmp_path / "gemm.json"
@@ -310,6 +311,8 @@ def test_the_gemm_benchmark_times_every_kernel_on_the_models_projections(tmp_pat
     few, many = result["results"]
     names = {"MKL packed": "mkl", "oneDNN packed": "onednn", "pagedserve packed": "pagedserve"}
     packed = {f"{name}_s" for name, gemm in names.items() if gemm in llama.F32_GEMMS}
+    if "pagedserve" in llama.F32_GEMMS:
+        packed.add("pagedserve, no next_s")
     assert set(few) == {"rows", "torch.mm_s", "C kernel_s", *packed} and few["rows"] == 2
     assert set(many) == {"rows", "torch.mm_s", *packed} and many["rows"] == 40  # beyond the C kernel's rows
     assert all(v > 0 for r in (few, many) for k, v in r.items() if k != "rows")

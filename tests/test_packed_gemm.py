@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import json
 import os
 import pickle
 import subprocess
@@ -125,19 +124,6 @@ def test_the_build_without_next_block_prefetch_gives_the_same_bits():
             ours = packed_gemm.linear(x, packed)
             assert torch.equal(ours, packed_gemm.linear(x, packed, lib=without)), (rows, n_out, k_in)
             torch.testing.assert_close(ours, _expected(x, w), rtol=1e-5, atol=1e-4)
-
-
-def test_the_f32_gemm_benchmark_times_every_kernel(tmp_path):
-    """benchmarks/f32_gemm.py, one layer: a time for each GEMM this torch has, pagedserve's with
-    and without the next block's prefetch among them."""
-    from benchmarks import f32_gemm
-
-    out = tmp_path / "f32_gemm.json"
-    f32_gemm.main(["--rows", "1", "8", "--repeats", "1", "--layers", "1", "--result-json", str(out)])
-    results = json.loads(out.read_text())["results"]
-    assert [r["rows"] for r in results] == [1, 8]
-    for r in results:
-        assert r["pagedserve packed_s"] > 0 and r["pagedserve, no next_s"] > 0
 
 
 def test_the_packed_copy_is_its_own_and_may_be_copied_and_pickled():
