@@ -111,6 +111,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
     out = torch.empty(x.shape[0], n_out, dtype=torch.bfloat16)
     if x.shape[0]:
         (lib or _library()).amx_linear_bf16(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
-                                   None if bias is None else bias.data_ptr(), x.shape[0], n_out, k,
-                                   torch.get_num_threads())
+                                            None if bias is None else bias.data_ptr(), x.shape[0], n_out, k,
+                                            torch.get_num_threads())
     return out

@@ -61,8 +61,8 @@
  * into L2, a line per k, while the tiles after the first compute from L1. Before, the first tile
  * of every block waited on memory for a block's worth of weight (8-64 rows); SmolLM2's layers, 2
  * threads, Zen 4, best of 9 alternated, ms: 8 rows 16.6 -> 15.0, 12 rows 19.4 -> 16.2, 16 rows
- * 25.5 -> 21.9, 39 rows 47.8 -> 43.6, 64 rows 72.9 -> 70.4; 1-4 rows and 512 alike (into L1: no
- * better than without). 0 leaves it out (benchmarks compare the two). */
+ * 25.5 -> 21.9, 39 rows 47.8 -> 43.6, 64 rows 72.9 -> 70.4; 1-4 rows and 512 alike (into L1
+ * instead, about half the gain). 0 leaves it out (benchmarks compare the two). */
 #ifndef NEXT_BLOCK_PREFETCH
 #define NEXT_BLOCK_PREFETCH 1
 #endif

@@ -91,6 +91,6 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     x = cpu.packed_gemm_input(x, packed.k_in, MAX_ROWS)
     out = torch.empty(x.shape[0], packed.n_out, dtype=torch.float32)
     if x.shape[0]:
-        (lib or _library()).packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0], packed.n_out,
-                                   packed.k_in, torch.get_num_threads())
+        (lib or _library()).packed_gemm_f32(out.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0],
+                                            packed.n_out, packed.k_in, torch.get_num_threads())
     return out if bias is None else out.add_(bias)
