@@ -114,6 +114,15 @@ def _library(source: Path, symbol: str, argtypes: tuple) -> ctypes.CDLL | None:
     return lib
 
 
+def load_variant(source_path: Path, defines: tuple[str, ...], what: str) -> ctypes.CDLL:
+    """`source_path` built with `defines` beside its production build and loaded (untyped), for
+    tests and benchmarks that compare the two; RuntimeError naming `what` without a compiler."""
+    path = _build(source_path, defines)
+    if path is None:
+        raise RuntimeError(f"{what} did not build (no C compiler with OpenMP)")
+    return ctypes.CDLL(str(path))
+
+
 def load() -> ctypes.CDLL | None:
     return _library(_SOURCE, "paged_decode_attention_f32",
                     (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int, ctypes.c_int))

@@ -60,10 +60,7 @@ def build_variant(*defines: str) -> ctypes.CDLL:
     """amx_gemm.c built with `defines` (its compile-time knobs, e.g. `-DDP_NEXT_GROUP=0`) beside the
     production build, typed alike, for `linear(..., lib=)`: for tests and benchmarks that compare
     the two."""
-    path = cpu._build(_SOURCE, defines)
-    if path is None:
-        raise RuntimeError("the bf16 GEMM kernel did not build (no C compiler with OpenMP)")
-    return _typed(ctypes.CDLL(str(path)))
+    return _typed(cpu.load_variant(_SOURCE, defines, "the bf16 GEMM kernel"))
 
 
 def available() -> bool:

@@ -162,15 +162,16 @@ static inline void block(float *out, int64_t ldo, const float *x, int64_t ldx, c
         tile(MR, a, ldx, b, kc, o, ldo, k0 == 0, cols, 1);
         r = MR;
     }
+    const int next = NEXT_BLOCK_PREFETCH && in_order; /* the tile at row MR fetches the next block */
     for (; r + MR <= mc; r += MR) {
-        if (NEXT_BLOCK_PREFETCH && in_order && r == MR)
+        if (next && r == MR)
             tile(MR, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols, 2);
         else
             tile(MR, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols, 0);
     }
     if (r < mc)
         tile_any(mc - r, a + r * ldx, ldx, b, kc, o + r * ldo, ldo, k0 == 0, cols,
-                 r == 0 ? mc >= PREFETCH_MIN_ROWS : (NEXT_BLOCK_PREFETCH && in_order && r == MR) ? 2 : 0);
+                 r == 0 ? mc >= PREFETCH_MIN_ROWS : next && r == MR ? 2 : 0);
 }
 
 /* Which panels a thread computes: each starts on an equal contiguous share of a pass's panels,

@@ -49,10 +49,7 @@ def _library() -> ctypes.CDLL | None:
 def build_variant(*defines: str) -> ctypes.CDLL:
     """packed_gemm.c built with `defines` (its compile-time knobs, e.g. `-DPACKED_GEMM_STEAL=0`)
     beside the production build, typed alike: for tests and benchmarks that compare the two."""
-    path = cpu._build(_SOURCE, defines)
-    if path is None:
-        raise RuntimeError("the packed GEMM kernel did not build (no C compiler with OpenMP)")
-    return _typed(ctypes.CDLL(str(path)))
+    return _typed(cpu.load_variant(_SOURCE, defines, "the packed GEMM kernel"))
 
 
 def available() -> bool:
