@@ -61,11 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="ABBA rounds: each door gets 2 x this many passes")
     p.add_argument("--latency-requests", type=int, default=8, help="single streams, alternating doors")
     p.add_argument("--latency-output-len", type=int, default=64, help="tokens of each single stream")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the server's stream_interval: tokens a stream gathers per message after its first")
     p.add_argument("--server-start-timeout", type=float, default=300.0)
     p.add_argument("--result-json", default="benchmarks/results/http_vs_grpc.json")
     args = workload.check_workload_args(p, p.parse_args(argv))
-    if args.rounds < 1 or args.latency_requests < 0 or args.latency_output_len < 2:
-        p.error("need --rounds >= 1, --latency-requests >= 0 and --latency-output-len >= 2")
+    if args.rounds < 1 or args.latency_requests < 0 or args.latency_output_len < 2 or args.stream_interval < 1:
+        p.error("need --rounds >= 1, --latency-requests >= 0, --latency-output-len >= 2 and --stream-interval >= 1")
     return args
 
 
@@ -143,7 +145,7 @@ def single_streams(args, server: EmbeddedServer, requests) -> dict:
 
 
 def run_served(args, requests) -> dict:
-    server = EmbeddedServer(engine_flags(args))
+    server = EmbeddedServer({**engine_flags(args), "stream_interval": args.stream_interval})
     try:
         startup_s = server.wait_healthy(args.server_start_timeout)
         coordinator = coordinator_process(server)
@@ -170,7 +172,7 @@ def main(argv=None) -> None:
     requests = workload.make_workload(tokenizer, args)
     prompt, generated = workload.useful_tokens(requests)
     print(f"workload: {len(requests)} requests, {prompt} prompt + {generated} generated tokens, {args.dtype}, "
-          f"prefix caching off, {args.rounds} ABBA round(s)")
+          f"prefix caching off, {args.rounds} ABBA round(s), stream interval {args.stream_interval}")
     offline = run_offline(args, requests)
     served = run_served(args, requests)
 

@@ -95,7 +95,7 @@ class LLMEngine:
                                    if config.speculative_config is not None else None)
         self.core = EngineCore(self.scheduler, executor, config.block_size)
         self.input_processor = InputProcessor(tokenizer, model.vocab_size, self.max_model_len, model.eos_token_ids)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
         self.metrics = EngineMetrics()
         self.scheduler_stats: SchedulerStats = scheduler_stats(self.scheduler)
 

@@ -23,8 +23,11 @@ from coordinator.stats import IterationStats
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream_interval: int = 1):
+        """`stream_interval` (EngineConfig's): a streamed request's output is made when a sample has
+        its first token or that many tokens not yet sent, and when the request ends."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, group: SequenceGroup, prompt: str | None) -> None:
@@ -71,7 +74,8 @@ class OutputProcessor:
 
     def make_outputs(self, updates: list[GroupUpdate], stats: IterationStats) -> list[RequestOutput]:
         """One RequestOutput per request that sampled this step (None-free: with best_of > n,
-        beams or output_kind FINAL_ONLY, only once it is done). Finished requests leave, their
+        beams or output_kind FINAL_ONLY, only once it is done; under a stream interval, only when
+        one is due). Finished requests leave, their
         metrics in `stats`."""
         now = time.monotonic()
         outputs = []
@@ -81,6 +85,8 @@ class OutputProcessor:
                 continue
             if req.params.output_kind is RequestOutputKind.FINAL_ONLY and not req.finished:
                 continue  # its deltas add up: the final output then carries every token
+            if self.stream_interval > 1 and not req.finished and not req.stream_due(self.stream_interval):
+                continue  # likewise, until a sample has `stream_interval` tokens to send
             out = req.output()
             if req.finished:
                 reason = out.outputs[0].finish_reason if out is not None and out.outputs else None

@@ -120,6 +120,15 @@ class RequestState:
     def finished(self) -> bool:
         return self.group.finished
 
+    def stream_due(self, interval: int) -> bool:
+        """Whether a streamed output is due under a stream interval: a sample has its first token,
+        or `interval` tokens, not yet sent (vLLM's rule)."""
+        for c in self.completions:
+            unsent = c.seq.num_output_tokens - c.sent_tokens
+            if unsent and (c.sent_tokens == 0 or unsent >= interval):
+                return True
+        return False
+
     def _beam_output(self) -> RequestOutput | None:
         beam = self.group.beam
         if not beam.done:

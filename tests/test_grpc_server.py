@@ -109,6 +109,32 @@ def test_final_only_sends_each_sample_once_with_all_of_it_and_the_stream_adds_up
     assert final[-1].usage.completion_tokens == 18 and final[-1].timing.total_s > 0
 
 
+def test_a_stream_interval_sends_concurrent_streams_tokens_in_groups_and_each_adds_up(llm, tiny_llama):
+    """A server started with stream_interval 3 sends each stream's first token alone, then three
+    at a time (each with their logprobs), the rest with the end; every stream's tokens and text
+    are the offline API's."""
+    prompts = [[(17 * i + j) % 40000 + 100 for j in range(4 + 2 * i)] for i in range(6)]
+    offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    server = _Server(LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=3))
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = serving_pb2_grpc.ServingStub(channel)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                streams = list(pool.map(lambda p: list(stub.Generate(pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=p), sampling=sampling), timeout=60)), prompts))
+            assert _wait_for_no_used_blocks(stub) == 0
+    finally:
+        server.close()
+    for responses, want in zip(streams, offline):
+        assert [len(r.token_ids) for r in responses] == [1, 3, 3, 3, 2]
+        assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+        assert [t for r in responses for t in r.token_ids] == want.outputs[0].token_ids
+        assert "".join(r.text for r in responses) == want.outputs[0].text
+        assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 12
+
+
 def test_text_and_chat_prompts_stream_text(llm, stub):
     tokens, text, last = _collect(stub, pb.GenerateRequest(
         text="Hello there", sampling=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))

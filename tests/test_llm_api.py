@@ -178,6 +178,8 @@ def test_invalid_engine_settings_name_the_field():
         EngineConfig(block_size=12)
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
+        EngineConfig(stream_interval=0)
     with pytest.raises(ValueError, match="max_loaded_blocks_per_step must be an integer >= 0"):
         EngineConfig(max_loaded_blocks_per_step=-1)
     with pytest.raises(ValueError, match=r"long_prefill_token_threshold \(4\) needs enable_chunked_prefill"):

@@ -70,6 +70,34 @@ def test_a_final_only_request_gets_one_output_equal_to_the_streamed_ones_last(ll
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("case", ["greedy_stop_string", "parallel_samples"])
+def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_the_end(llm, tiny_llama, case):
+    """vLLM's --stream-interval: with 4, a streamed request's outputs carry its first token, then
+    4 tokens each, then what is left with its end; they add up to the same completion as every
+    step's outputs, and a final-only request beside it is unchanged."""
+    if case == "greedy_stop_string":
+        params = SamplingParams(max_tokens=24, logprobs=1, stop=[_stop_string(llm)], **GREEDY)
+    else:
+        params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=11, ignore_eos=True, logprobs=2)
+    every_step, _ = _run_side_by_side(llm, params)
+    grouped_llm = LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=4)
+    grouped, final = _run_side_by_side(grouped_llm, params)
+    want = every_step[-1]
+    total = len(want.outputs[0].token_ids)
+    assert total > 5  # enough tokens for a group in the middle
+    assert [len(out.outputs[0].delta_token_ids) for out in grouped] == \
+           [1] + [4] * ((total - 2) // 4) + [(total - 2) % 4 + 1]
+    assert [out.finished for out in grouped] == [False] * (len(grouped) - 1) + [True]
+    for index, sample in enumerate(want.outputs):
+        assert [t for out in grouped for t in out.outputs[index].delta_token_ids] == sample.token_ids
+        assert "".join(out.outputs[index].delta_text for out in grouped) == sample.text
+        got = grouped[-1].outputs[index]
+        assert (got.text, got.finish_reason, got.stop_reason) == (sample.text, sample.finish_reason, sample.stop_reason)
+        assert len(got.logprobs) == len(got.token_ids)
+    assert final[0].outputs[0].token_ids == want.outputs[0].token_ids
+    assert grouped_llm.stats()["kv_blocks_used"] == 0
+
+
 def test_generate_makes_final_outputs_only_and_leaves_the_callers_params_as_they_were(llm):
     made = []
     step = llm.engine.step
