@@ -98,6 +98,34 @@ def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_th
     assert grouped_llm.stats()["kv_blocks_used"] == 0
 
 
+def test_a_stream_interval_streams_http_chunks_of_several_tokens_each_with_its_logprobs(tiny_llama):
+    """OpenAIServing over an engine with stream_interval 3: a streamed completion's chunks carry
+    1, 3, 3, 3 tokens (by their logprobs' entries), and add up to the response sent whole."""
+    grouped = LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=3)
+    body = dict(prompt=PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def serve():
+        engine = AsyncEngine(grouped.engine)
+        engine.start()
+        serving = OpenAIServing("tiny", None, "fp")
+        try:
+            stream = await serving.completions(engine, CompletionRequest(stream=True, **body))
+            chunks = [chunk async for chunk in stream]
+            whole = await serving.completions(engine, CompletionRequest(**body))
+        finally:
+            await engine.stop()
+        return chunks, whole
+
+    chunks, whole = asyncio.run(serve())
+    pieces = [c["choices"][0] for c in chunks if c.get("choices") and c["choices"][0].get("logprobs")]
+    assert [len(p["logprobs"]["tokens"]) for p in pieces] == [1, 3, 3, 3]
+    want = whole["choices"][0]
+    assert "".join(p["text"] for p in pieces) == want["text"]
+    assert [lp for p in pieces for lp in p["logprobs"]["token_logprobs"]] == want["logprobs"]["token_logprobs"]
+    assert pieces[-1]["finish_reason"] == want["finish_reason"] == "length"
+    assert grouped.stats()["kv_blocks_used"] == 0
+
+
 def test_generate_makes_final_outputs_only_and_leaves_the_callers_params_as_they_were(llm):
     made = []
     step = llm.engine.step
