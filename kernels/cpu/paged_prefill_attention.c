@@ -21,11 +21,13 @@
  *
  * bf16: the scores take vdpbf16ps, a query row vector holding W rows' pairs of elements (the
  * queries transposed into [D/2][rows] pairs, unscaled: the scale multiplies the fp32 scores) and
- * a key's pair broadcast, so products are exact and sums fp32, as in the decode kernel. V rows are
- * widened to fp32 as the values pass reads them, the weights staying fp32; the output is rounded
- * to bf16 (nearest, even) once. On an AMD EPYC (Zen 4, 2 cores), SmolLM2's 16 benchmark prompts
- * (21-593 tokens), one layer: torch's bf16 SDPA 36-46 ms, this kernel's fp32 path 16-19 ms, its
- * bf16 path 12-15 ms.
+ * a key's pair broadcast, so products are exact and sums fp32, as in the decode kernel. The values
+ * take vdpbf16ps too, over pairs of keys (values_pass_bf16): the weights rounded to bf16 for it, as
+ * a GPU's flash attention rounds its probabilities, the sums fp32; the output is rounded to bf16
+ * (nearest, even) once. On an AMD EPYC (Zen 4, 2 cores), SmolLM2's 16 benchmark prompts (21-593
+ * tokens), one layer: torch's bf16 SDPA 36-46 ms, this kernel's fp32 path 16-19 ms, its bf16 path
+ * 12-15 ms with V widened to fp32 for FMAs; pairs of keys in dot products took a further 10-18% off
+ * prompts of 100-2,000 tokens (3-6% at 128).
  *
  * Layouts (strides in elements):
  *   query, out   [T, H, D] contiguous, the cache's dtype (the step's rows; sequence s's rows start at
@@ -191,7 +193,57 @@ INLINE void scores_pass_bf16(float *s, const uint32_t *qt, const uint16_t *k0, i
 INLINE vf load_widened(const uint16_t *p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
+/* A group of keys' values for the tile's rows in bf16 dot products: the keys go in pairs, each
+ * pair's V rows interleaved once per group into [D] pairs (key i's element d, key i + 1's) and its
+ * weights rounded to bf16 into [rows] pairs, so that one vdpbf16ps adds two keys' terms to W of a
+ * row's outputs. An odd last key pairs with a zero key of weight 0. The interleave works within
+ * 128-bit lanes, so `acc` holds each row's D outputs in that order (acc_position); its sums stay
+ * fp32. Why: widening V and an FMA per key took half the bf16 kernel's time. */
+INLINE void values_pass_bf16(float (*acc)[MAX_D], const float *sw, const uint16_t *v0, int64_t s_tok, int64_t kmax,
+                             int64_t stride, int64_t nr, const int64_t D) {
+    uint32_t vp[KEYS / 2][MAX_D] __attribute__((aligned(64)));
+    uint32_t wp[KEYS / 2][TILE * MAX_REP] __attribute__((aligned(64)));
+    const int64_t pairs = (kmax + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t i = 2 * p;
+        const int two = i + 1 < kmax;
+        for (int64_t c = 0; c < D / 32; ++c) {
+            const __m512i a = _mm512_loadu_si512(v0 + i * s_tok + 32 * c);
+            const __m512i b = two ? _mm512_loadu_si512(v0 + (i + 1) * s_tok + 32 * c) : _mm512_setzero_si512();
+            _mm512_store_si512(vp[p] + 32 * c, _mm512_unpacklo_epi16(a, b));
+            _mm512_store_si512(vp[p] + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
+        }
+        for (int64_t r = 0; r < stride; r += W) {
+            const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sw + i * stride + r));
+            const __m256i y = two ? (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sw + (i + 1) * stride + r))
+                                  : _mm256_setzero_si256();
+            const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+            _mm256_store_si256((__m256i *)(wp[p] + r), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_store_si256((__m256i *)(wp[p] + r + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+    }
+    for (int64_t r0 = 0; r0 < nr; r0 += RT) {
+        __m512 a[RT][MAX_D / W];
+        const int rows = nr - r0 < RT ? (int)(nr - r0) : RT;
+        for (int k = 0; k < RT; ++k)
+            for (int64_t j = 0; j < D / W; ++j) a[k][j] = _mm512_load_ps(&acc[r0 + k][W * j]);
+        for (int64_t p = 0; p < pairs; ++p) {
+            __m512bh v[MAX_D / W];
+            for (int64_t j = 0; j < D / W; ++j) v[j] = (__m512bh)_mm512_load_si512(vp[p] + W * j);
+            for (int k = 0; k < RT; ++k) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(k < rows ? (int32_t)wp[p][r0 + k] : 0);
+                for (int64_t j = 0; j < D / W; ++j) a[k][j] = _mm512_dpbf16_ps(a[k][j], v[j], w);
+            }
+        }
+        for (int k = 0; k < rows; ++k)
+            for (int64_t j = 0; j < D / W; ++j) _mm512_store_ps(&acc[r0 + k][W * j], a[k][j]);
+    }
+}
 #else /* never called: the bf16 entry declines without AVX512-BF16 */
+INLINE void values_pass_bf16(float (*acc)[MAX_D], const float *sw, const uint16_t *v0, int64_t s_tok, int64_t kmax,
+                             int64_t stride, int64_t nr, const int64_t D) {
+    (void)acc, (void)sw, (void)v0, (void)s_tok, (void)kmax, (void)stride, (void)nr, (void)D;
+}
 INLINE void scores_pass_bf16(float *s, const uint32_t *qt, const uint16_t *k0, int64_t s_tok, int64_t kmax,
                              int64_t stride, int64_t v0, const int RB, const int64_t D, float scale) {
     (void)s, (void)qt, (void)k0, (void)s_tok, (void)kmax, (void)stride, (void)v0, (void)RB, (void)D, (void)scale;
@@ -206,6 +258,13 @@ INLINE void scores(float *s, const void *qt, const char *k0, const Shape *sh, in
         scores_pass_bf16(s, (const uint32_t *)qt, (const uint16_t *)k0, sh->s_tok, kmax, stride, v0, RB, D, sh->scale);
     else
         scores_pass(s, (const float *)qt, (const float *)k0, sh->s_tok, kmax, stride, v0, RB, D);
+}
+
+/* Where values_pass_bf16 keeps output d of a row: 32 outputs make two vectors, the first holding
+ * each 128-bit lane's first 4 (d = 8l .. 8l + 3 for lane l), the second their last 4. */
+INLINE int64_t acc_position(int64_t d) {
+    const int64_t within = d % 32, lane = within / 8, k = within % 8;
+    return (d / 32) * 32 + (k / 4) * 16 + lane * 4 + k % 4;
 }
 
 /* W of a V row's elements from element i of `v0`, as fp32. */
@@ -294,6 +353,10 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
                 sum[v] += add;
             }
 #if defined(__AVX512F__)
+            if (BF16) {
+                values_pass_bf16(acc, sw, (const uint16_t *)v0, sh->s_tok, kmax, stride, nr, D);
+                continue;
+            }
             /* values: RT rows' accumulators in registers, each V row loaded once for them */
             for (int64_t r0 = 0; r0 < nr; r0 += RT) {
                 vf a[RT][MAX_D / W];
@@ -341,7 +404,7 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
             const float inv = 1.f / sum[r / W][r % W];
             const int64_t at = ((q_row0 + first + p) * H + g * rep + h) * D;
             if (BF16)
-                for (int64_t d = 0; d < D; ++d) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[r][d] * inv);
+                for (int64_t d = 0; d < D; ++d) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[r][acc_position(d)] * inv);
             else
                 for (int64_t d = 0; d < D; ++d) ((float *)out)[at + d] = acc[r][d] * inv;
         }
