@@ -3,13 +3,15 @@ gRPC and the offline API on one workload, and what the HTTP layer adds per strea
 
 In one run, on the offline benchmark's workload (seeded windows of real English text, EOS ignored):
 
-- **offline**: `LLM.generate` over all requests in this process;
+- **offline**: `LLM.generate` over all requests in this process (a fresh `LLM` each pass);
 - **grpc** and **http**: one `pagedserve serve`, started as a user starts it, gets the whole
   workload through each door in turn, every request at once as a concurrent stream: gRPC from a
   `pagedserve.AsyncClient`, HTTP as `/v1/completions` with the same token-id prompts, streamed
-  (SSE), from `pagedserve bench`'s OpenAI backend (aiohttp). The passes run in ABBA order over
-  `--rounds`, so drift (other load, warm allocators) falls on both doors alike. Prefix caching is
-  off everywhere: a second pass of the same prompts would find them cached.
+  (SSE), from `pagedserve bench`'s OpenAI backend (aiohttp).
+Each round runs offline, gRPC, HTTP, HTTP, gRPC, offline (the server idles while offline runs),
+so drift (other load, warm allocators) falls on all three alike, and each side's best pass
+counts: every side gets the same number of passes. Prefix caching is off everywhere: a second
+pass of the same prompts would find them cached.
 - **single streams**: `--latency-requests` requests one at a time, alternating doors: the
   inter-token latency a lone client sees through each.
 
@@ -58,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     workload.add_workload_args(p)
     # Smaller than the offline benchmark's default: four served passes must fit in a few minutes.
     p.set_defaults(num_requests=32, prompt_len_max=300, output_len_max=128)
-    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds: each door gets 2 x this many passes")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of offline, grpc, http, http, grpc, offline: 2 passes of each a round")
     p.add_argument("--latency-requests", type=int, default=8, help="single streams, alternating doors")
     p.add_argument("--latency-output-len", type=int, default=64, help="tokens of each single stream")
     p.add_argument("--stream-interval", type=int, default=1,
@@ -80,7 +83,7 @@ def engine_flags(args) -> dict:
 # ---- offline -------------------------------------------------------------------------------------
 def run_offline(args, requests) -> dict:
     res = serving.run_offline(args, requests, engine_flags(args))  # prefix caching off, as served
-    return {"seconds": res["watch"].seconds, "outputs": res["outputs"]}
+    return {"seconds": res["watch"].seconds, "token_ids": res["outputs"]}
 
 
 # ---- served --------------------------------------------------------------------------------------
@@ -144,7 +147,11 @@ def single_streams(args, server: EmbeddedServer, requests) -> dict:
             for door, v in itl.items()}
 
 
-def run_served(args, requests) -> dict:
+ROUND = ("offline", "grpc", "http", "http", "grpc", "offline")
+
+
+def run_passes(args, requests) -> dict:
+    """`--rounds` rounds of ROUND's passes over one server, then the single streams."""
     server = EmbeddedServer({**engine_flags(args), "stream_interval": args.stream_interval})
     try:
         startup_s = server.wait_healthy(args.server_start_timeout)
@@ -154,11 +161,12 @@ def run_served(args, requests) -> dict:
         with pagedserve.Client(server.target, timeout=30) as client:
             serving.wait_for_full_speed(lambda: client.generate([1, 2, 3], max_tokens=2, temperature=0.0),
                                         client.stats, args.server_start_timeout)
-        passes = {door: [] for door in DOORS}
-        for i in range(2 * args.rounds):
-            door = DOORS[(i + i // 2) % 2]  # grpc http http grpc ...
-            passes[door].append(one_pass(door, server, coordinator, requests))
-            print(f"  pass {i + 1}/{2 * args.rounds} ({door}): {passes[door][-1]['seconds']:.2f} s", flush=True)
+        passes = {side: [] for side in ("offline", *DOORS)}
+        order = ROUND * args.rounds
+        for i, side in enumerate(order):
+            done = run_offline(args, requests) if side == "offline" else one_pass(side, server, coordinator, requests)
+            passes[side].append(done)
+            print(f"  pass {i + 1}/{len(order)} ({side}): {done['seconds']:.2f} s", flush=True)
         latency = single_streams(args, server, requests) if args.latency_requests else {}
     finally:
         server.stop()  # Ctrl-C, as a user stops it
@@ -172,23 +180,22 @@ def main(argv=None) -> None:
     requests = workload.make_workload(tokenizer, args)
     prompt, generated = workload.useful_tokens(requests)
     print(f"workload: {len(requests)} requests, {prompt} prompt + {generated} generated tokens, {args.dtype}, "
-          f"prefix caching off, {args.rounds} ABBA round(s), stream interval {args.stream_interval}")
-    offline = run_offline(args, requests)
-    served = run_served(args, requests)
+          f"prefix caching off, {args.rounds} round(s) of {len(ROUND)} passes, stream interval {args.stream_interval}")
+    served = run_passes(args, requests)
 
-    rows = {"offline": {"seconds": offline["seconds"]}}
-    for door in DOORS:
-        passes = served["passes"][door]
+    rows = {}
+    for side, passes in served["passes"].items():
         best = min(passes, key=lambda p: p["seconds"])  # the pass least disturbed by other load
-        rows[door] = {"seconds": best["seconds"], "seconds_all": [p["seconds"] for p in passes],
-                      "coordinator_cpu_us_per_token": statistics.median(p["coordinator_cpu_us_per_token"]
-                                                                        for p in passes),
-                      "client_cpu_us_per_token": statistics.median(p["client_cpu_us_per_token"] for p in passes)}
+        rows[side] = {"seconds": best["seconds"], "seconds_all": [p["seconds"] for p in passes]}
+        if side != "offline":
+            rows[side].update({key: statistics.median(p[key] for p in passes)
+                               for key in ("coordinator_cpu_us_per_token", "client_cpu_us_per_token")})
+    offline = served["passes"]["offline"][0]
     for row in rows.values():
         row["total_tokens_per_s"] = (prompt + generated) / row["seconds"]
         row["generated_tokens_per_s"] = generated / row["seconds"]
     expected_texts = [tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")  # held back by a stream
-                      for ids in offline["outputs"]]
+                      for ids in offline["token_ids"]]
     single = served["single_stream"]
     result = {
         "args": vars(args), "requests": len(requests), "prompt_tokens": prompt, "generated_tokens": generated,
@@ -202,7 +209,7 @@ def main(argv=None) -> None:
         "single_stream": single,
         "identical_outputs": {
             "grpc": sum(ids == expected for ids, expected in
-                        zip(served["passes"]["grpc"][0]["token_ids"], offline["outputs"])),
+                        zip(served["passes"]["grpc"][0]["token_ids"], offline["token_ids"])),
             "http": sum(text == expected for text, expected in
                         zip(served["passes"]["http"][0]["texts"], expected_texts))},
         "server_startup_s": served["startup_s"],
@@ -217,7 +224,8 @@ def print_report(r: dict) -> None:
         cpu = "" if name == "offline" else (f"  coordinator CPU {row['coordinator_cpu_us_per_token']:6.0f} us/tok"
                                             f"  client CPU {row['client_cpu_us_per_token']:5.0f} us/tok")
         print(f"  {name:8s} {row['seconds']:8.2f} s  {row['total_tokens_per_s']:8.1f} tok/s total  "
-              f"{row['generated_tokens_per_s']:7.1f} gen tok/s{cpu}")
+              f"{row['generated_tokens_per_s']:7.1f} gen tok/s{cpu}  (passes: "
+              f"{', '.join(f'{s:.2f}' for s in row['seconds_all'])} s)")
     print(f"  http / grpc throughput: {r['http_over_grpc']:.3f} (target >= 0.95); grpc / offline "
           f"{r['grpc_over_offline']:.3f}; http / offline {r['http_over_offline']:.3f}")
     print(f"  the HTTP layer adds per streamed token: {r['http_coordinator_cpu_us_per_token_added']:.0f} us of "
