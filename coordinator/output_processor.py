@@ -75,8 +75,7 @@ class OutputProcessor:
     def make_outputs(self, updates: list[GroupUpdate], stats: IterationStats) -> list[RequestOutput]:
         """One RequestOutput per request that sampled this step (None-free: with best_of > n,
         beams or output_kind FINAL_ONLY, only once it is done; under a stream interval, only when
-        one is due). Finished requests leave, their
-        metrics in `stats`."""
+        one is due). Finished requests leave, their metrics in `stats`."""
         now = time.monotonic()
         outputs = []
         for update in updates:
