@@ -189,10 +189,6 @@ INLINE void scores_pass_bf16(float *s, const uint32_t *qt, const uint16_t *k0, i
     }
 }
 
-/* W bf16 values widened to fp32 (a bf16 is an fp32's upper half). */
-INLINE vf load_widened(const uint16_t *p) {
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-}
 /* A group of keys' values for the tile's rows in bf16 dot products: the keys go in pairs, each
  * pair's V rows interleaved once per group into [D] pairs (key i's element d, key i + 1's) and its
  * weights rounded to bf16 into [rows] pairs, so that one vdpbf16ps adds two keys' terms to W of a
@@ -248,7 +244,6 @@ INLINE void scores_pass_bf16(float *s, const uint32_t *qt, const uint16_t *k0, i
                              int64_t stride, int64_t v0, const int RB, const int64_t D, float scale) {
     (void)s, (void)qt, (void)k0, (void)s_tok, (void)kmax, (void)stride, (void)v0, (void)RB, (void)D, (void)scale;
 }
-INLINE vf load_widened(const uint16_t *p) { (void)p; return (vf){0}; }
 #endif
 
 /* A pass of scores over keys k0.. of the cache's dtype (the queries `qt` as attend_tile holds them). */
@@ -265,11 +260,6 @@ INLINE void scores(float *s, const void *qt, const char *k0, const Shape *sh, in
 INLINE int64_t acc_position(int64_t d) {
     const int64_t within = d % 32, lane = within / 8, k = within % 8;
     return (d / 32) * 32 + (k / 4) * 16 + lane * 4 + k % 4;
-}
-
-/* W of a V row's elements from element i of `v0`, as fp32. */
-INLINE vf value(const char *v0, int64_t i, const int BF16) {
-    return BF16 ? load_widened((const uint16_t *)v0 + i) : loadv((const float *)v0 + i);
 }
 
 /* One tile: rows r = p * rep + h for positions first + p (p < np) and query heads g * rep + h.
@@ -352,12 +342,12 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
                 }
                 sum[v] += add;
             }
-#if defined(__AVX512F__)
             if (BF16) {
                 values_pass_bf16(acc, sw, (const uint16_t *)v0, sh->s_tok, kmax, stride, nr, D);
                 continue;
             }
-            /* values: RT rows' accumulators in registers, each V row loaded once for them */
+#if defined(__AVX512F__)
+            /* values (fp32): RT rows' accumulators in registers, each V row loaded once for them */
             for (int64_t r0 = 0; r0 < nr; r0 += RT) {
                 vf a[RT][MAX_D / W];
                 const int rows = nr - r0 < RT ? (int)(nr - r0) : RT;
@@ -365,7 +355,7 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
                     for (int64_t j = 0; j < D / W; ++j) a[k][j] = loadv(&acc[r0 + k][W * j]);
                 for (int64_t i = 0; i < kmax; ++i) {
                     vf v[MAX_D / W];
-                    for (int64_t j = 0; j < D / W; ++j) v[j] = value(v0, i * sh->s_tok + W * j, BF16);
+                    for (int64_t j = 0; j < D / W; ++j) v[j] = loadv((const float *)v0 + i * sh->s_tok + W * j);
                     for (int k = 0; k < RT; ++k) {
                         const float w = k < rows ? sw[i * stride + r0 + k] : 0.f;
                         for (int64_t j = 0; j < D / W; ++j) a[k][j] += w * v[j];
@@ -375,7 +365,7 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
                     for (int64_t j = 0; j < D / W; ++j) storev(&acc[r0 + k][W * j], a[k][j]);
             }
 #else
-            /* values: RTV rows' accumulators in registers (VJ vectors of each at a time), each
+            /* values (fp32): RTV rows' accumulators in registers (VJ vectors of each at a time), each
              * V row's piece loaded once for them */
             for (int64_t r0 = 0; r0 < nr; r0 += RTV) {
                 const int rows = nr - r0 < RTV ? (int)(nr - r0) : RTV;
@@ -385,7 +375,8 @@ INLINE void attend_tile(void *out, const void *query, const void *kv, const int3
                         for (int64_t j = 0; j < VJ(D); ++j) a[k][j] = loadv(&acc[r0 + k][W * (j0 + j)]);
                     for (int64_t i = 0; i < kmax; ++i) {
                         vf v[VJ(D)];
-                        for (int64_t j = 0; j < VJ(D); ++j) v[j] = value(v0, i * sh->s_tok + W * (j0 + j), BF16);
+                        for (int64_t j = 0; j < VJ(D); ++j)
+                            v[j] = loadv((const float *)v0 + i * sh->s_tok + W * (j0 + j));
                         for (int k = 0; k < RTV; ++k) {
                             const float w = k < rows ? sw[i * stride + r0 + k] : 0.f;
                             for (int64_t j = 0; j < VJ(D); ++j) a[k][j] += w * v[j];
