@@ -23,6 +23,12 @@ def llm(tiny_llama):
     return LLM(tiny_llama, kv_cache_memory=1 << 24)
 
 
+@pytest.fixture(scope="module")
+def grouped_llm(tiny_llama):
+    """The same model streaming under stream_interval 4."""
+    return LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=4)
+
+
 def _run_side_by_side(llm, params: SamplingParams) -> tuple[list, list]:
     """The same request twice in one batch, streamed and final-only: each one's outputs."""
     engine = llm.engine
@@ -71,7 +77,7 @@ def test_a_final_only_request_gets_one_output_equal_to_the_streamed_ones_last(ll
 
 
 @pytest.mark.parametrize("case", ["greedy_stop_string", "parallel_samples"])
-def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_the_end(llm, tiny_llama, case):
+def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_the_end(llm, grouped_llm, case):
     """vLLM's --stream-interval: with 4, a streamed request's outputs carry its first token, then
     4 tokens each, then what is left with its end; they add up to the same completion as every
     step's outputs, and a final-only request beside it is unchanged."""
@@ -80,7 +86,6 @@ def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_th
     else:
         params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=11, ignore_eos=True, logprobs=2)
     every_step, _ = _run_side_by_side(llm, params)
-    grouped_llm = LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=4)
     grouped, final = _run_side_by_side(grouped_llm, params)
     want = every_step[-1]
     total = len(want.outputs[0].token_ids)
@@ -98,14 +103,13 @@ def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_rest_at_th
     assert grouped_llm.stats()["kv_blocks_used"] == 0
 
 
-def test_a_stream_interval_streams_http_chunks_of_several_tokens_each_with_its_logprobs(tiny_llama):
-    """OpenAIServing over an engine with stream_interval 3: a streamed completion's chunks carry
-    1, 3, 3, 3 tokens (by their logprobs' entries), and add up to the response sent whole."""
-    grouped = LLM(tiny_llama, kv_cache_memory=1 << 24, stream_interval=3)
+def test_a_stream_interval_streams_http_chunks_of_several_tokens_each_with_its_logprobs(grouped_llm):
+    """OpenAIServing over an engine with stream_interval 4: a streamed completion's chunks carry
+    1, 4, 4, 1 tokens (by their logprobs' entries), and add up to the response sent whole."""
     body = dict(prompt=PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
 
     async def serve():
-        engine = AsyncEngine(grouped.engine)
+        engine = AsyncEngine(grouped_llm.engine)
         engine.start()
         serving = OpenAIServing("tiny", None, "fp")
         try:
@@ -118,12 +122,12 @@ def test_a_stream_interval_streams_http_chunks_of_several_tokens_each_with_its_l
 
     chunks, whole = asyncio.run(serve())
     pieces = [c["choices"][0] for c in chunks if c.get("choices") and c["choices"][0].get("logprobs")]
-    assert [len(p["logprobs"]["tokens"]) for p in pieces] == [1, 3, 3, 3]
+    assert [len(p["logprobs"]["tokens"]) for p in pieces] == [1, 4, 4, 1]
     want = whole["choices"][0]
     assert "".join(p["text"] for p in pieces) == want["text"]
     assert [lp for p in pieces for lp in p["logprobs"]["token_logprobs"]] == want["logprobs"]["token_logprobs"]
     assert pieces[-1]["finish_reason"] == want["finish_reason"] == "length"
-    assert grouped.stats()["kv_blocks_used"] == 0
+    assert grouped_llm.stats()["kv_blocks_used"] == 0
 
 
 def test_generate_makes_final_outputs_only_and_leaves_the_callers_params_as_they_were(llm):
