@@ -47,6 +47,24 @@ def test_silu_mul_equals_torchs_silu_times_up(rows, inter, transposed):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_silu_mul_of_gates_beyond_exps_range_is_finite_and_torchs(dtype, transposed):
+    # e^-g overflows fp32 for g below -88.7: the fast-math division once turned g / (1 + inf) into
+    # NaN there, poisoning the row. Every such gate, in whole vectors and in a loop's tail.
+    extremes = torch.tensor([-3e38, -1e30, -1e4, -200.0, -100.0, -89.0, -88.8, -88.0, -87.0, -20.0, 0.0, 20.0,
+                             88.0, 89.0, 100.0, 1e4, 1e30])
+    inter = 3 * len(extremes)
+    gate = extremes.repeat(3)
+    gate_up = torch.cat([gate, torch.linspace(-1, 1, inter)]).view(1, 2 * inter).repeat(5, 1).to(dtype)
+    if transposed:
+        gate_up = gate_up.t().contiguous().t()
+    out = cpu.silu_mul(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), (F.silu(gate) * up).float(), rtol=2 ** -7, atol=1e-30)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("rows, heads, dim", [(1, 3, 8), (6, 9, 64), (33, 2, 128)])
 def test_rope_equals_the_rotate_half_form(rows, heads, dim, transposed):
