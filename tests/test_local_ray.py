@@ -1,5 +1,5 @@
 """A local Ray started by pagedserve has no API server (the dashboard being off), a minimal
-dashboard agent, and no log monitor while it comes up; `serve` starts the monitor once it serves,
+dashboard agent, no autoscaler monitor, and no log monitor while it comes up; `serve` starts the monitor once it serves,
 and the workers' lines written before that still reach the driver.
 
 Each case runs in its own interpreter: the test session's Ray is already initialised."""
@@ -45,6 +45,7 @@ print("before:", daemons("log_monitor.py"), daemons("dashboard.py"), flush=True)
 agents = [line for line in (" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
           if "dashboard/agent.py" in line and session in line]
 print("minimal agent:", len(agents) == 1 and " --minimal" in agents[0], flush=True)
+print("autoscaler monitors:", daemons("autoscaler/_private/monitor.py"), flush=True)
 if LOG_TO_DRIVER:
     print("started:", start_deferred_log_monitor(), flush=True)
     print("again:", start_deferred_log_monitor(), flush=True)  # one monitor, not two
@@ -93,6 +94,7 @@ def test_the_log_monitor_starts_late_and_what_workers_wrote_before_is_printed():
     out = _run(SCRIPT.replace("LOG_TO_DRIVER", "True"))
     assert "before: 0 0" in out
     assert "minimal agent: True" in out  # the raylet's dashboard agent without its servers
+    assert "autoscaler monitors: 0" in out
     assert "runtime env: True yes" in out
     assert "started: True" in out and "again: False" in out
     assert "after: 1 0" in out  # the monitor; still no API server

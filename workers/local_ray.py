@@ -1,6 +1,6 @@
 """Starting a local Ray cluster for pagedserve: every `ray.init` of a new cluster goes through here.
 
-Two of the daemons Ray starts with a cluster are not needed to run actors, and on 2 cores they sit
+Three of the daemons Ray starts with a cluster are not needed to run actors, and on 2 cores they sit
 on the critical path of `ray.init`:
 - the API server (dashboard.py): with the dashboard off it loads one module, usage statistics
   (Ray's own comment: not even the job or state APIs), yet `ray.init` waits until it has imported
@@ -12,6 +12,11 @@ on the critical path of `ray.init`:
   (`start_deferred_log_monitor`); it reads each log file from its beginning, so nothing written
   meanwhile is lost, only printed late. A driver that prints no worker lines
   (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks) never starts it.
+- the autoscaler's monitor (monitor.py), which a cluster of one local node without an autoscaling
+  config has no use for (it reports to `ray status` and the dashboard: a cluster started with the
+  dashboard keeps it; `ray up` clusters start their own):
+  0.65 CPU-s of imports beside the driver's connect. `ray.init` took 1.31-1.79 s without it
+  against 2.19-2.55 s with it (3 alternated starts each).
 
 And one daemon starts in a lighter form: the raylet's dashboard agent (the raylet registers only
 once it is up) runs minimal, as in a `pip install ray` without the dashboard's extras: without its
@@ -36,10 +41,10 @@ to both. The raylet then registered 0.02 s after it started, against 0.9-1.6 s. 
 5.29 s against 5.67 and 5.43 s, alternated (Ray up 0.77-0.81 s in four starts of six, 1.77-1.80 s
 in two, against 1.79-2.88 s).
 
-Ray has no public switch for any of them (`ray start --include-log-monitor` is the CLI's). The
-hooks are its RayParams' `include_log_monitor`, the head node's `start_api_server` and
-`start_raylet`, its `get_dashboard_dependency_error` and `persist_port`; where a Ray version lacks
-them, its cluster starts as Ray starts it.
+`ray.init` has no public switch for any of them (`ray start`'s `--include-log-monitor` and
+`--no-monitor` are the CLI's). The hooks are its RayParams' `include_log_monitor` and `no_monitor`,
+the head node's `start_api_server` and `start_raylet`, its `get_dashboard_dependency_error` and
+`persist_port`; where a Ray version lacks them, its cluster starts as Ray starts it.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ log = logging.getLogger(__name__)
 
 def init_local_ray(**init_kwargs) -> None:
     """`ray.init` of a new local cluster with pagedserve's system config, no log monitor (see
-    `start_deferred_log_monitor`), and, the dashboard being off unless asked for, no API server."""
+    `start_deferred_log_monitor`), and, the dashboard being off unless asked for, no API server
+    and no autoscaler monitor."""
     import ray
 
     init_kwargs.setdefault("_system_config", RAY_SYSTEM_CONFIG)
@@ -65,7 +71,7 @@ def init_local_ray(**init_kwargs) -> None:
     dashboard_off = not init_kwargs["include_dashboard"]
     without_api_server = _no_api_server() if dashboard_off else contextlib.nullcontext()
     minimal_agent = _minimal_dashboard_agent() if dashboard_off else contextlib.nullcontext()
-    with _no_log_monitor(), without_api_server, minimal_agent:
+    with _no_monitors(autoscaler=dashboard_off), without_api_server, minimal_agent:
         ray.init(**init_kwargs)
 
 
@@ -107,20 +113,28 @@ def _stop_signals_held():
 
 
 @contextlib.contextmanager
-def _no_log_monitor():
+def _no_monitors(autoscaler: bool):
+    """No log monitor and, where `autoscaler`, no autoscaler monitor: RayParams'
+    `include_log_monitor` and `no_monitor`, each where this Ray has it."""
     from ray._private.parameter import RayParams
 
     original = RayParams.__init__
-    if "include_log_monitor" not in inspect.signature(original).parameters:
-        log.debug("this Ray's RayParams has no include_log_monitor; its log monitor starts with it")
+    parameters = inspect.signature(original).parameters
+    wanted = {"include_log_monitor": False, **({"no_monitor": True} if autoscaler else {})}
+    defaults = {name: value for name, value in wanted.items() if name in parameters}
+    for name in wanted:
+        if name not in defaults:
+            log.debug("this Ray's RayParams has no %s; that monitor starts with it", name)
+    if not defaults:
         yield
         return
 
-    def without_log_monitor(self, *args, **kwargs):
-        kwargs.setdefault("include_log_monitor", False)
+    def without_monitors(self, *args, **kwargs):
+        for name, value in defaults.items():
+            kwargs.setdefault(name, value)
         original(self, *args, **kwargs)
 
-    RayParams.__init__ = without_log_monitor
+    RayParams.__init__ = without_monitors
     try:
         yield
     finally:
