@@ -20,6 +20,7 @@ from workers.model_config import load_hf_config
 from workers.model_loader import load_model, resolve_dtype, resolve_kv_cache_dtype
 from workers.parallel import TensorParallel
 from workers.sampler import Sampler, apply_token_bitmask, token_logprobs
+from workers.step_heap import keep_freed_memory_for_steps
 from workers.step_plan import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.cache_spec.allocate(num_blocks, self.device)
+        if self.device == "cpu" and self.dtype == torch.bfloat16:
+            keep_freed_memory_for_steps()  # steps come next: their activations reuse freed pages
         if self._use_graphs:
             from workers.cuda_graphs import DecodeGraphs
 
