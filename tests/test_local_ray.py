@@ -1,6 +1,6 @@
 """A local Ray started by pagedserve has no API server (the dashboard being off), a minimal
-dashboard agent, no autoscaler monitor, and no log monitor while it comes up; `serve` starts the monitor once it serves,
-and the workers' lines written before that still reach the driver.
+dashboard agent, no autoscaler monitor, and no log monitor while it comes up; `serve` starts the
+log monitor once it serves, and the workers' lines written before that still reach the driver.
 
 Each case runs in its own interpreter: the test session's Ray is already initialised."""
 

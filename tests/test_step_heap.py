@@ -1,9 +1,11 @@
-"""A CPU worker keeps freed activations in glibc's heap for the next step (workers/step_heap.py):
-a block that glibc would map afresh and unmap on every step (above its 32 MiB mmap ceiling, or
-at the heap's top beyond its trim threshold) is reused, without a page fault per 4 KiB.
+"""A bf16 CPU worker keeps freed activations in glibc's heap for the next step
+(workers/step_heap.py): a block that glibc would map afresh and unmap on every step (above its
+32 MiB mmap ceiling, or at the heap's top beyond its trim threshold) is reused, without a page
+fault per 4 KiB; an fp32 worker keeps glibc's defaults.
 
 Each case runs in an interpreter of its own: the settings are process-wide."""
 
+import ast
 import os
 import platform
 import subprocess
@@ -41,7 +43,7 @@ def _faults(setup: str, **env) -> list[int]:
                           timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("faults:"))
-    return eval(line.split(":", 1)[1])
+    return ast.literal_eval(line.split(":", 1)[1].strip())
 
 
 def test_without_it_every_step_faults_its_activations_in_afresh():
@@ -67,7 +69,8 @@ def test_a_process_whose_environment_tunes_glibc_keeps_its_own_settings():
 @pytest.mark.parametrize("dtype, kept", [("bfloat16", True), ("float32", False)])
 def test_a_bf16_cpu_worker_sets_it_once_its_cache_is_allocated(tiny_llama, dtype, kept):
     setup = (f"from pagedserve import LLM\n"
-             f"llm = LLM({tiny_llama!r}, dtype={dtype!r}, kv_cache_memory=1 << 22, distributed_executor_backend='uni')\n"
+             f"llm = LLM({tiny_llama!r}, dtype={dtype!r}, kv_cache_memory=1 << 22,\n"
+             f"          distributed_executor_backend='uni')\n"
              f"llm.generate(['hello'])")
     _first, *rest = _faults(setup)
     if kept:

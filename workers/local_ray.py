@@ -14,9 +14,9 @@ on the critical path of `ray.init`:
   (`log_to_driver=False`: the offline API with its ranks in Ray, benchmarks) never starts it.
 - the autoscaler's monitor (monitor.py), which a cluster of one local node without an autoscaling
   config has no use for (it reports to `ray status` and the dashboard: a cluster started with the
-  dashboard keeps it; `ray up` clusters start their own):
-  0.65 CPU-s of imports beside the driver's connect. `ray.init` took 1.31-1.79 s without it
-  against 2.19-2.55 s with it (3 alternated starts each).
+  dashboard keeps it; `ray up` clusters start their own). Its 0.65 CPU-s of imports came beside
+  the driver's connect: `ray.init` took 1.31-1.79 s without it against 2.19-2.55 s with it (3
+  alternated starts each).
 
 And one daemon starts in a lighter form: the raylet's dashboard agent (the raylet registers only
 once it is up) runs minimal, as in a `pip install ray` without the dashboard's extras: without its
