@@ -25,10 +25,9 @@ import platform
 
 log = logging.getLogger(__name__)
 
-MMAP_THRESHOLD = 64 << 20  # above a step's largest activation (fp32 gate/up of 2,048 rows: 24 MiB)
+MMAP_THRESHOLD = 64 << 20  # above a step's largest activation (bf16 gate/up of 2,048 rows: 12 MiB)
 TRIM_THRESHOLD = 256 << 20  # the most free heap kept: a step's activations, not a load's
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
 def keep_freed_memory_for_steps() -> bool:
@@ -37,7 +36,8 @@ def keep_freed_memory_for_steps() -> bool:
     the environment already tunes it."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    if any(os.environ.get(name) for name in _ENVIRONMENT):
+    if os.environ.get("GLIBC_TUNABLES") or any(
+            name.startswith("MALLOC_") and name.endswith("_") and value for name, value in os.environ.items()):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
