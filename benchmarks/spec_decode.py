@@ -13,13 +13,19 @@ Each at 1 stream and `--streams` streams, with `num_speculative_tokens` K and wi
 decode tokens/s (each batch's time less the time of its prefills alone, prefix caching off), the
 speed-up, the acceptance rate, tokens per decode step, and whether the greedy outputs are identical.
 
-    .venv/bin/python benchmarks/spec_decode.py                              # ~10 minutes
-    .venv/bin/python benchmarks/spec_decode.py --max-tokens 16 --passages 2 # smoke test
+Both engines are held at once and take turns on each case, in the order A B in even rounds and
+B A in odd ones (`--rounds`, default 2): this machine's speed drifts by 10-20% over minutes, and
+with every baseline run first and every speculative run minutes later that drift landed in the
+ratio. A mode's tokens/s is its tokens over its seconds summed over the rounds.
+
+    .venv/bin/python benchmarks/spec_decode.py                              # ~18 minutes
+    .venv/bin/python benchmarks/spec_decode.py --max-tokens 16 --passages 2 --rounds 1 # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -54,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4, help="the batched case's concurrent requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="turns of both engines on every case (ABBA order)")
     p.add_argument("--result-json", default="benchmarks/results/spec_decode.json")
     return p.parse_args(argv)
 
@@ -110,27 +117,43 @@ def run(llm: LLM, prompts: list[list[int]], streams: int, max_tokens: int,
             "acceptance_rate": accepted / drafted if drafted else None}, outputs
 
 
+def _add(total: dict, r: dict) -> None:
+    """Fold one round's figures for a mode into its totals: tokens/s as tokens over seconds."""
+    for field in ("tokens", "seconds", "draft_tokens", "accepted_tokens"):
+        total[field] = total.get(field, 0) + r[field]
+    total["tokens_per_s"] = total["tokens"] / total["seconds"]
+    total["acceptance_rate"] = total["accepted_tokens"] / total["draft_tokens"] if total["draft_tokens"] else None
+    total["other_cpu_share"] = max(total.get("other_cpu_share", 0.0), r["other_cpu_share"])
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1; got {args.rounds}")
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    results = {}
-    outputs = {}
-    for mode, extra in (("baseline", {}), ("ngram", {"speculative_config": spec})):
-        with LLM(args.model, enable_prefix_caching=False, **extra) as llm:
-            loads = workloads(llm.get_tokenizer(), args)
+    results, outputs = {}, {}
+    with contextlib.ExitStack() as stack:
+        engines = {"baseline": stack.enter_context(LLM(args.model, enable_prefix_caching=False)),
+                   "ngram": stack.enter_context(LLM(args.model, enable_prefix_caching=False, speculative_config=spec))}
+        loads = workloads(engines["baseline"].get_tokenizer(), args)
+        for llm in engines.values():  # warm-up
             llm.generate([{"prompt_token_ids": loads["plain"][0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        for round_ in range(args.rounds):
             for name, (prompts, structured) in loads.items():
                 for streams in (1, args.streams):
                     key = f"{name}/{streams}"
-                    results.setdefault(key, {})[mode], outputs[(key, mode)] = run(llm, prompts, streams, args.max_tokens,
-                                                                                  structured)
-                    r = results[key][mode]
-                    print(f"{key:<18} {mode:<9} {r['tokens_per_s']:7.1f} tok/s  acceptance "
-                          f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}", flush=True)
+                    for mode in (list(engines) if round_ % 2 == 0 else list(engines)[::-1]):
+                        r, outputs[(key, mode, round_)] = run(engines[mode], prompts, streams, args.max_tokens,
+                                                              structured)
+                        _add(results.setdefault(key, {}).setdefault(mode, {}), r)
+                        print(f"round {round_ + 1} {key:<18} {mode:<9} {r['tokens_per_s']:7.1f} tok/s  acceptance "
+                              f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}", flush=True)
     for key, r in results.items():
         r["speedup"] = r["ngram"]["tokens_per_s"] / r["baseline"]["tokens_per_s"]
-        r["identical_outputs"] = outputs[(key, "ngram")] == outputs[(key, "baseline")]
+        r["identical_outputs"] = all(outputs[(key, "ngram", i)] == outputs[(key, "baseline", 0)]
+                                     and outputs[(key, "baseline", i)] == outputs[(key, "baseline", 0)]
+                                     for i in range(args.rounds))
         steps = r["ngram"]["tokens"] - r["ngram"]["accepted_tokens"]  # each step: one token, plus what it accepted
         r["ngram"]["mean_tokens_per_step"] = r["ngram"]["tokens"] / steps if steps else None
     res = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
