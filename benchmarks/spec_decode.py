@@ -16,9 +16,10 @@ speed-up, the acceptance rate, tokens per decode step, and whether the greedy ou
 Both engines are held at once and take turns on each case, in the order A B in even rounds and
 B A in odd ones (`--rounds`, default 2): this machine's speed drifts by 10-20% over minutes, and
 with every baseline run first and every speculative run minutes later that drift landed in the
-ratio. A mode's tokens/s is its tokens over its seconds summed over the rounds.
+ratio. The speed-up is each mode's best round against the other's (other tenants only ever slow a
+round down); the ratio of their tokens over their seconds summed over all rounds is reported too.
 
-    .venv/bin/python benchmarks/spec_decode.py                              # ~18 minutes
+    .venv/bin/python benchmarks/spec_decode.py                              # ~8 minutes
     .venv/bin/python benchmarks/spec_decode.py --max-tokens 16 --passages 2 --rounds 1 # smoke test
 """
 
@@ -122,6 +123,7 @@ def _add(total: dict, r: dict) -> None:
     for field in ("tokens", "seconds", "draft_tokens", "accepted_tokens"):
         total[field] = total.get(field, 0) + r[field]
     total["tokens_per_s"] = total["tokens"] / total["seconds"]
+    total["best_round_tokens_per_s"] = max(total.get("best_round_tokens_per_s", 0.0), r["tokens_per_s"])
     total["acceptance_rate"] = total["accepted_tokens"] / total["draft_tokens"] if total["draft_tokens"] else None
     total["other_cpu_share"] = max(total.get("other_cpu_share", 0.0), r["other_cpu_share"])
 
@@ -150,7 +152,8 @@ def main(argv=None) -> None:
                         print(f"round {round_ + 1} {key:<18} {mode:<9} {r['tokens_per_s']:7.1f} tok/s  acceptance "
                               f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}", flush=True)
     for key, r in results.items():
-        r["speedup"] = r["ngram"]["tokens_per_s"] / r["baseline"]["tokens_per_s"]
+        r["speedup"] = r["ngram"]["best_round_tokens_per_s"] / r["baseline"]["best_round_tokens_per_s"]
+        r["speedup_summed"] = r["ngram"]["tokens_per_s"] / r["baseline"]["tokens_per_s"]
         r["identical_outputs"] = all(outputs[(key, "ngram", i)] == outputs[(key, "baseline", 0)]
                                      and outputs[(key, "baseline", i)] == outputs[(key, "baseline", 0)]
                                      for i in range(args.rounds))
@@ -160,12 +163,13 @@ def main(argv=None) -> None:
            "results": results}
     Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result_json).write_text(json.dumps(res, indent=2, default=str) + "\n")
-    print(f"{'workload/streams':<20}{'base tok/s':>11}{'ngram tok/s':>12}{'speed-up':>9}{'accept':>8}"
-          f"{'tok/step':>9}{'same':>6}")
+    print(f"{'workload/streams':<20}{'base tok/s':>11}{'ngram tok/s':>12}{'speed-up':>9}{'summed':>8}{'accept':>8}"
+          f"{'tok/step':>9}{'same':>6}   (tok/s: each mode's best round)")
     for key, r in results.items():
         acc = r["ngram"]["acceptance_rate"]
-        print(f"{key:<20}{r['baseline']['tokens_per_s']:>11.1f}{r['ngram']['tokens_per_s']:>12.1f}"
-              f"{r['speedup']:>9.2f}{'-' if acc is None else f'{acc:.2f}':>8}"
+        base, ngram = r["baseline"]["best_round_tokens_per_s"], r["ngram"]["best_round_tokens_per_s"]
+        print(f"{key:<20}{base:>11.1f}{ngram:>12.1f}"
+              f"{r['speedup']:>9.2f}{r['speedup_summed']:>8.2f}{'-' if acc is None else f'{acc:.2f}':>8}"
               f"{r['ngram']['mean_tokens_per_step'] or 0:>9.2f}{'yes' if r['identical_outputs'] else 'no':>6}")
     print(f"results: {args.result_json}")
 
