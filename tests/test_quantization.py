@@ -89,6 +89,37 @@ def test_the_fp32_kernel_folding_16_outputs_at_a_time_equals_the_product(rows, o
     torch.testing.assert_close(cpu.f32_linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("width", [1536, 4096])  # a row of x 6 and 16 KB: beyond 4 or 1 rows, not in L1 at once
+def test_the_fp32_kernel_takes_wide_rows_in_chunks_each_row_summed_alike(width):
+    """fp32, 3-16 rows whose x is too wide for L1 in one piece go in chunks of rows over each
+    group of 16 outputs (weight_gemv.c's GROUP_X_BYTES): every row equals the product, and sums
+    in the same order whatever the chunks, so its result is the same at every row count from 3
+    to 16 (at 8 rows and more the per-channel path summed in another order)."""
+    from kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    torch.manual_seed(width)
+    x, w = torch.randn(16, width), torch.randn(64, width)
+    alone = {rows: cpu.f32_linear(x[:rows].contiguous(), w) for rows in range(3, 17)}
+    torch.testing.assert_close(alone[16], x @ w.t(), rtol=1e-4, atol=1e-3)
+    for rows, out in alone.items():
+        assert torch.equal(out, alone[16][:rows]), rows
+
+
+@pytest.mark.parametrize("rows", [3, 7, 8, 16])
+def test_the_fp32_kernel_keeps_a_weight_too_wide_for_chunks_in_one_piece(rows):
+    """A group of 16 outputs beyond 512 KB of weight (k_in > 8,192 floats) is not re-read per chunk
+    of rows: one piece, the product all the same."""
+    from kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 8192 + 64), torch.randn(32, 8192 + 64)
+    torch.testing.assert_close(cpu.f32_linear(x, w), x @ w.t(), rtol=1e-4, atol=2e-3)
+
+
 def _dequantized_hf(model_dir: str):
     """transformers' model with every decoder projection replaced by its int8 round trip."""
     from transformers import AutoModelForCausalLM

@@ -267,40 +267,97 @@ STREAM(16, 1)
  * 16 and k_in of 32 (no tail), else STREAM. SmolLM2's 30 decoder layers (2 threads, weights on
  * huge pages), ms: 3 rows 12.98 -> 12.51, 4 rows 13.15 -> 12.62, 5 rows 14.44 -> 13.81, 6 rows
  * 14.15 -> 13.55; 2 and 8 rows measured the same or slower (16 rows: gate/up 9.9 -> 11.1, the
- * 16 KB of partial sums crowding L1), so they keep STREAM. */
-#define STREAM_GROUPED(M)                                                                        \
-    static void stream_grouped_f32_##M(float *out, const float *x, const float *w,               \
-                                       int64_t n_out, int64_t k_in, int num_threads) {           \
-        if (n_out % 16 || k_in % (2 * VW)) {                                                     \
-            stream_f32_##M(out, x, w, n_out, k_in, num_threads);                                 \
-            return;                                                                              \
+ * 16 KB of partial sums crowding L1), so 2 rows keep STREAM, and so do 8-16 where their x fits
+ * in L1 (below).
+ *
+ * Each channel reads all the rows' x, from L1 while it fits beside the weight streaming through:
+ * rows x k_in floats beyond GROUP_X_BYTES go in chunks of rows that fit (at most 7, which also
+ * bounds the partial sums), each chunk passing over the group's 16 weight rows in turn (from L2
+ * after the first chunk: 16 x k_in floats). A row's sums run in the same order whatever its
+ * chunk and row count. On an AMD EPYC Zen 4 (32 KB of L1), SmolLM2's down projection (k_in
+ * 1,536: 6 KB of x a row) in one piece took ~4 ms at 1-4 rows, 5.5-6.4 at 5, 8.2-9.0 at 7 and
+ * 8.0-9.8 at 8 (30 layers, 2 threads), where the k_in 576 projections stayed flat to 6 rows.
+ * All four projections, 30 layers, medians of 7 alternated runs, one piece (STREAM from 8 rows)
+ * -> chunks of at most 24 KB of x: 5 rows 19.45 -> 18.83 ms, 7 rows 20.31 -> 18.22, 8 rows 23.80
+ * -> 22.09, 10 rows 25.45 -> 23.00, 12 rows 31.86 -> 27.56, 16 rows 53.75 -> 33.86; a 16 KB
+ * budget split 3 and 4 rows of the down projection too and measured between the two. */
+#ifndef GROUP_X_BYTES
+#define GROUP_X_BYTES (24 << 10)
+#endif
+/* Chunks re-read the group's weight rows from L2, so only where those fit in it with room to
+ * spare (k_in up to 8,192 floats); a wider weight keeps one piece (a 7B model's down projection,
+ * k_in 11,008-14,336, would otherwise read its group's 0.7-0.9 MB again from L3 for every row). */
+#define GROUP_W_BYTES (512 << 10)
+
+static inline int chunks_pay(int64_t k_in) { return 16 * k_in * (int64_t)sizeof(float) <= GROUP_W_BYTES; }
+
+/* One group of 16 channels for M rows (x and out at those rows' first). */
+#define GROUP_ROWS(M)                                                                            \
+    static inline __attribute__((always_inline)) void group_rows_##M(                          \
+        float *out, const float *x, const float *w, int64_t group, int64_t n_out, int64_t k_in) { \
+        sum16_f part[M][16];                                                                     \
+        for (int j = 0; j < 16; ++j) {                                                           \
+            const float *wn = w + (group * 16 + j) * k_in;                                       \
+            vwf acc[2][M];                                                                       \
+            int64_t k = 0;                                                                       \
+            STREAM_SUMS(M, 2)                                                                    \
+            for (int m = 0; m < M; ++m) part[m][j] = (sum16_f)(acc[0][m] + acc[1][m]);           \
         }                                                                                        \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                    \
-        for (int64_t group = 0; group < n_out / 16; ++group) {                                   \
-            sum16_f part[M][16];                                                                 \
-            for (int j = 0; j < 16; ++j) {                                                       \
-                const float *wn = w + (group * 16 + j) * k_in;                                   \
-                vwf acc[2][M];                                                                   \
-                int64_t k = 0;                                                                   \
-                STREAM_SUMS(M, 2)                                                                \
-                for (int m = 0; m < M; ++m) part[m][j] = (sum16_f)(acc[0][m] + acc[1][m]);       \
-            }                                                                                    \
-            for (int m = 0; m < M; ++m) *(vwf *)(out + m * n_out + group * 16) = (vwf)sum16(part[m]); \
-        }                                                                                        \
+        for (int m = 0; m < M; ++m) *(vwf *)(out + m * n_out + group * 16) = (vwf)sum16(part[m]); \
     }
-STREAM_GROUPED(3) STREAM_GROUPED(4) STREAM_GROUPED(5) STREAM_GROUPED(6) STREAM_GROUPED(7)
+GROUP_ROWS(1) GROUP_ROWS(2) GROUP_ROWS(3) GROUP_ROWS(4) GROUP_ROWS(5) GROUP_ROWS(6) GROUP_ROWS(7)
+
+/* Rows m0 .. m0 + m of one group (m <= 7). */
+static inline void group_rows(float *out, const float *x, const float *w, int64_t group, int64_t n_out,
+                              int64_t k_in, int64_t m0, int64_t m) {
+    float *o = out + m0 * n_out;
+    const float *xm = x + m0 * k_in;
+    switch (m) {
+    case 1: group_rows_1(o, xm, w, group, n_out, k_in); break;
+    case 2: group_rows_2(o, xm, w, group, n_out, k_in); break;
+    case 3: group_rows_3(o, xm, w, group, n_out, k_in); break;
+    case 4: group_rows_4(o, xm, w, group, n_out, k_in); break;
+    case 5: group_rows_5(o, xm, w, group, n_out, k_in); break;
+    case 6: group_rows_6(o, xm, w, group, n_out, k_in); break;
+    default: group_rows_7(o, xm, w, group, n_out, k_in); break;
+    }
+}
+
+/* Whether the grouped form takes this weight (else STREAM). */
+static inline int groups_fit(int64_t n_out, int64_t k_in) { return n_out % 16 == 0 && k_in % (2 * VW) == 0; }
+
+static void stream_grouped_f32(float *out, const float *x, const float *w, int64_t rows, int64_t n_out,
+                               int64_t k_in, int num_threads) {
+    /* Chunks of at most `fit` rows (7 at most: group_rows' copies), as even as they come (5 rows
+     * of 6 KB: 3 and 2). */
+    int64_t fit = chunks_pay(k_in) ? GROUP_X_BYTES / (k_in * (int64_t)sizeof(float)) : 7;
+    fit = fit < 1 ? 1 : fit > 7 ? 7 : fit;
+    const int64_t chunks = (rows + fit - 1) / fit, chunk = (rows + chunks - 1) / chunks;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t group = 0; group < n_out / 16; ++group)
+        for (int64_t m0 = 0; m0 < rows; m0 += chunk)
+            group_rows(out, x, w, group, n_out, k_in, m0, rows - m0 < chunk ? rows - m0 : chunk);
+}
 
 typedef void (*stream_fn)(float *, const float *, const float *, int64_t, int64_t, int);
 static const stream_fn STREAMS[17] = {
-    NULL, NULL, stream_f32_2, stream_grouped_f32_3, stream_grouped_f32_4, stream_grouped_f32_5,
-    stream_grouped_f32_6, stream_grouped_f32_7, stream_f32_8, stream_f32_9, stream_f32_10, stream_f32_11,
-    stream_f32_12, stream_f32_13, stream_f32_14, stream_f32_15, stream_f32_16,
+    NULL, NULL, stream_f32_2, stream_f32_3, stream_f32_4, stream_f32_5, stream_f32_6, stream_f32_7, stream_f32_8,
+    stream_f32_9, stream_f32_10, stream_f32_11, stream_f32_12, stream_f32_13, stream_f32_14, stream_f32_15,
+    stream_f32_16,
 };
 #endif
 
 void f32_gemv_f32(float *out, const float *x, const float *w,
                   int64_t rows, int64_t n_out, int64_t k_in, int num_threads) {
 #if defined(__AVX512F__)
+    /* 3-7 rows grouped; 8-16 too where their x would not fit in L1 in one piece: where it does,
+     * STREAM's one pass beat the grouped form's chunks (SmolLM2's gate/up, 8-10 rows: 10.2-10.3
+     * against 11.1-11.7 ms). */
+    if (rows >= 3 && rows <= 16 && groups_fit(n_out, k_in)
+        && (rows <= 7 || (rows * k_in * (int64_t)sizeof(float) > GROUP_X_BYTES && chunks_pay(k_in)))) {
+        stream_grouped_f32(out, x, w, rows, n_out, k_in, num_threads);
+        return;
+    }
     if (rows >= 2 && rows <= 16) {
         STREAMS[rows](out, x, w, n_out, k_in, num_threads);
         return;
