@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4, help="the batched case's concurrent requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="turns of both engines on every case (ABBA order)")
+    p.add_argument("--rounds", type=int, default=2, help="passes of both engines over every case (taking turns batch by batch)")
     p.add_argument("--result-json", default="benchmarks/results/spec_decode.json")
     return p.parse_args(argv)
 
@@ -119,7 +119,7 @@ def run(llm: LLM, prompts: list[list[int]], streams: int, max_tokens: int,
 
 
 def _add(total: dict, r: dict) -> None:
-    """Fold one round's figures for a mode into its totals: tokens/s as tokens over seconds."""
+    """Fold one batch's figures for a mode into its totals: tokens/s as tokens over seconds."""
     for field in ("tokens", "seconds", "draft_tokens", "accepted_tokens"):
         total[field] = total.get(field, 0) + r[field]
     total["tokens_per_s"] = total["tokens"] / total["seconds"]
