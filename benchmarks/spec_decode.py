@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4, help="the batched case's concurrent requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="passes of both engines over every case (taking turns batch by batch)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="passes of both engines over every case (taking turns batch by batch)")
     p.add_argument("--result-json", default="benchmarks/results/spec_decode.json")
     return p.parse_args(argv)
 
