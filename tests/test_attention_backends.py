@@ -260,3 +260,41 @@ def test_the_decode_kernel_on_a_bf16_cache_sums_bf16_queries_and_others_to_fp32_
             weights = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), k) * 0.125, dim=-1)
             want = torch.einsum("ht,thd->hd", weights, v)
             torch.testing.assert_close(out[s].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_splits_a_long_context_and_gives_each_sequence_the_same_bits_alone_or_batched(
+        block_size, head_dim, dtype):
+    """Contexts past 1,024 tokens run in parts of 512 on all threads, merged after: lengths on and
+    just past a part's edge, a last part of one token, beside short contexts that stay whole. Each
+    gives the float64 result to fp32's precision, and the same bits computed alone as in the
+    batch: where a context splits depends on its length only."""
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU decode kernel")
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    num_heads, num_kv_heads = 9, 3
+    lens = torch.tensor([1024, 1025, 1536, 1537, 2100, 5, 300], dtype=torch.int32)
+    per_seq = [-(-int(n) // block_size) for n in lens]
+    max_blocks, blocks = max(per_seq), sum(per_seq)
+    cache = torch.randn(blocks, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    start = 0
+    for s, count in enumerate(per_seq):
+        tables[s, :count] = order[start:start + count]
+        start += count
+    query = 2 * torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    out = torch.empty_like(query)
+    cpu.decode_attention(out, query, cache, tables, lens, 0.125)
+    rep = num_heads // num_kv_heads
+    for s, n in enumerate(lens.tolist()):
+        rows = cache[tables[s, :per_seq[s]].long()].double()  # [blocks, 2, block, kv_heads, head_dim]
+        k, v = (rows[:, i].reshape(-1, num_kv_heads, head_dim)[:n].repeat_interleave(rep, dim=1) for i in (0, 1))
+        weights = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), k) * 0.125, dim=-1)
+        torch.testing.assert_close(out[s].double(), torch.einsum("ht,thd->hd", weights, v), rtol=1e-5, atol=1e-5)
+        alone = torch.empty_like(query[s:s + 1])
+        cpu.decode_attention(alone, query[s:s + 1].contiguous(), cache, tables[s:s + 1].contiguous(), lens[s:s + 1],
+                             0.125)
+        assert torch.equal(alone, out[s:s + 1])

@@ -123,9 +123,20 @@ def load_variant(source_path: Path, defines: tuple[str, ...], what: str) -> ctyp
     return ctypes.CDLL(str(path))
 
 
+_DECODE_ARGTYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int, ctypes.c_int)
+
+
 def load() -> ctypes.CDLL | None:
-    return _library(_SOURCE, "paged_decode_attention_f32",
-                    (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 10 + (ctypes.c_float, ctypes.c_int, ctypes.c_int))
+    return _library(_SOURCE, "paged_decode_attention_f32", _DECODE_ARGTYPES)
+
+
+def decode_variant(*defines: str) -> ctypes.CDLL:
+    """The decode kernel built with `defines` (its compile-time knobs), for `decode_attention`'s
+    `lib`: benchmarks compare it with the production build."""
+    lib = load_variant(_SOURCE, defines, "the decode attention kernel")
+    lib.paged_decode_attention_f32.restype = None
+    lib.paged_decode_attention_f32.argtypes = list(_DECODE_ARGTYPES)
+    return lib
 
 
 def available() -> bool:
@@ -318,11 +329,12 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # what the decode kernel's cache ma
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     lib: ctypes.CDLL | None = None) -> None:
     """out, query: [S, H, D] contiguous fp32; kv_cache: one layer's [blocks, 2, bs, kv_heads, D]
     view with contiguous head_dim, fp32 or bf16 (read widened, summed in fp32); block_tables
-    [S, max_blocks] int32; context_lens [S] int32."""
-    lib = load()
+    [S, max_blocks] int32; context_lens [S] int32. `lib`: a variant build (`decode_variant`)."""
+    lib = lib or load()
     s_block, s_kv, s_tok, s_head, s_d = kv_cache.stride()
     assert s_d == 1 and query.is_contiguous() and out.is_contiguous()
     assert query.dtype == out.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES

@@ -1,5 +1,6 @@
 /* Decode attention straight from the paged KV cache: one pass over each sequence's K and V,
- * no gather copy. One work item per sequence (spread over OpenMP threads) walks its blocks;
+ * no gather copy. One work item per sequence (spread over OpenMP threads; a context past 1,024
+ * tokens is one per 512-token part, see `parts_of`) walks its blocks;
  * a block's K (then V) is one contiguous run, read sequentially, and while it sits in L1 every
  * query head of every KV head uses it. (Splitting work by KV head instead read each row in
  * thirds and measured slower: the prefetcher then fetches the other heads' lines for nothing.)
@@ -245,10 +246,19 @@ INLINE int bf16_exact(const float *x, int64_t n) {
  * cache, so the sequence's K/V is read once, front to back, and the scores never leave L1. (All
  * scores first, then all values, measured 8% slower: 18.5 against 17.1 ms for 4 x 1,200 tokens,
  * 46.0 against 43.7 for 32 x 300, interleaved runs.) `scores`: room for num_heads x block_size
- * floats. */
+ * floats.
+ * Over the blocks [b_lo, b_hi) of the context only (a part of a split sequence, see `parts_of`)
+ * when `part` is given: o is left unnormalized and each head's running maximum and sum go to
+ * part->mx and part->sum, for `merge_parts`. */
+typedef struct {
+    float *mx, *sum; /* [num_heads] each */
+} Partial;
+
 INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
-                       float *scores, const Shape *sh, const int64_t D, const int bf16) {
+                       float *scores, const Shape *sh, const int64_t D, const int bf16, int64_t b_lo, int64_t b_hi,
+                       const Partial *part) {
     const int64_t H = sh->num_heads, rep = H / sh->num_kv_heads, bs = sh->block_size;
+    if (b_hi * bs < len) len = b_hi * bs; /* the part's last token */
 #if defined(__AVX512BF16__)
     const int q_bf16 = bf16 && bf16_exact(q, H * D);
 #endif
@@ -257,7 +267,7 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
     float mx[H], sum[H];
     for (int64_t h = 0; h < H; ++h) mx[h] = -3.0e38f, sum[h] = 0.f; /* finite: see softmax_rows */
     for (int64_t d = 0; d < H * D; ++d) o[d] = 0.f;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {
+    for (int64_t b = b_lo, t0 = b_lo * bs; t0 < len; t0 += bs, ++b) {
         const int64_t block = (int64_t)table[b] * sh->s_block;
         const int64_t n = len - t0 < bs ? len - t0 : bs;
         const char *k_next = t0 + bs < len ? (const char *)kv + (int64_t)table[b + 1] * sh->s_block * elem : NULL;
@@ -337,6 +347,11 @@ INLINE void attend_vec(float *o, const float *q, const void *kv, const int32_t *
             }
         }
     }
+    if (part) {
+        memcpy(part->mx, mx, sizeof mx);
+        memcpy(part->sum, sum, sizeof sum);
+        return;
+    }
     for (int64_t h = 0; h < H; ++h) {
         const float inv = 1.f / sum[h];
         for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
@@ -356,9 +371,10 @@ INLINE void softmax_rows(float *scores, int64_t rows, int64_t len) {
 }
 
 INLINE void attend(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,
-                   float *scores, const Shape *sh, const int64_t D, const int bf16, const int vec) {
+                   float *scores, const Shape *sh, const int64_t D, const int bf16, const int vec,
+                   int64_t b_lo, int64_t b_hi, const Partial *part) {
     if (vec) {
-        attend_vec(o, q, kv, table, len, scores, sh, D, bf16);
+        attend_vec(o, q, kv, table, len, scores, sh, D, bf16, b_lo, b_hi, part);
         return;
     }
     scores_of(scores, q, kv, table, len, sh, D, bf16);
@@ -366,11 +382,13 @@ INLINE void attend(float *o, const float *q, const void *kv, const int32_t *tabl
     weighted_values(o, scores, kv, table, len, sh, D, bf16);
 }
 
-/* One sequence; the copies for head sizes 64 and 128 and each cache type. */
-#define ATTEND(NAME, D, BF16, VEC)                                                               \
-    static void NAME(float *o, const float *q, const void *kv, const int32_t *table, int64_t len, \
-                     float *scores, const Shape *sh, int64_t head_dim) {                         \
-        attend(o, q, kv, table, len, scores, sh, D, BF16, VEC);                                  \
+/* One sequence, or the blocks [b_lo, b_hi) of it (the vector path only); the copies for head
+ * sizes 64 and 128 and each cache type. */
+#define ATTEND(NAME, D, BF16, VEC)                                                                    \
+    static void NAME(float *o, const float *q, const void *kv, const int32_t *table, int64_t len,      \
+                     float *scores, const Shape *sh, int64_t head_dim, int64_t b_lo, int64_t b_hi,     \
+                     const Partial *part) {                                                           \
+        attend(o, q, kv, table, len, scores, sh, D, BF16, VEC, b_lo, b_hi, part);                     \
     }
 ATTEND(attend_f32_d64, 64, 0, 1)
 ATTEND(attend_f32_d128, 128, 0, 1)
@@ -380,24 +398,114 @@ ATTEND(attend_bf16_d128, 128, 1, 1)
 ATTEND(attend_bf16_any, head_dim, 1, 0)
 
 typedef void (*attend_fn)(float *, const float *, const void *, const int32_t *, int64_t, float *,
-                          const Shape *, int64_t);
+                          const Shape *, int64_t, int64_t, int64_t, const Partial *);
+
+/* A long context splits into parts of PART_TOKENS tokens (whole blocks), each its own work item,
+ * merged after (flash-decoding): one sequence's decode then runs on every thread, not one.
+ * Whether and where a context splits depends on its length alone, never on the batch, so a
+ * sequence's result is the same bits whatever else the step holds (a speculative verify step's
+ * rows match the plain decodes of the same positions). Contexts up to DECODE_SPLIT_FROM tokens
+ * stay whole: a batch of them already spreads over the threads, and each part's first block
+ * goes unprefetched. SmolLM2's shape, 30 layers, 2 threads, Zen 4 (decode_attention_split.py):
+ * one stream of 2,048-8,192 tokens 1.5x faster in fp32, 1.6-1.75x in bf16; 2-32 streams of
+ * 1-3.5k tokens within the runs' noise (0.94-1.03x). */
+#ifndef DECODE_SPLIT_FROM
+#define DECODE_SPLIT_FROM 1024 /* benchmarks/decode_attention_split.py builds the kernel without it */
+#endif
+#define PART_TOKENS 512
+
+static int64_t parts_of(int64_t len, int64_t block_size) {
+    if (len <= DECODE_SPLIT_FROM || PART_TOKENS < block_size) return 1;
+    const int64_t part_blocks = PART_TOKENS / block_size, blocks = (len + block_size - 1) / block_size;
+    return (blocks + part_blocks - 1) / part_blocks;
+}
+
+/* o = the parts' outputs combined: each part's unnormalized output and sums rescaled to the
+ * largest maximum among them, summed in part order, then normalized. */
+static void merge_parts(float *o, const float *part_o, const float *mx, const float *sum, int64_t parts,
+                        int64_t num_heads, int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float top = mx[h], total = 0.f;
+        for (int64_t p = 1; p < parts; ++p) top = mx[p * num_heads + h] > top ? mx[p * num_heads + h] : top;
+        float *oh = o + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) oh[d] = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+            const float c = expf(mx[p * num_heads + h] - top);
+            total += sum[p * num_heads + h] * c;
+            const float *ph = part_o + (p * num_heads + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) oh[d] += ph[d] * c;
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) oh[d] *= inv;
+    }
+}
 
 static void paged_decode_attention(float *out, const float *query, const void *kv,
                                    const int32_t *block_tables, const int32_t *context_lens,
                                    int64_t num_seqs, int64_t head_dim, int64_t max_blocks,
                                    const Shape *sh, attend_fn fn, int vec, int num_threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    const int64_t H = sh->num_heads, bs = sh->block_size, part_blocks = PART_TOKENS / bs;
+    /* Work items: a sequence (part -1), or one part of a split one; the parts first, so that the
+     * dynamic schedule ends evenly. A split sequence's parts write their partial results at
+     * first_part[s] onward (-1: not split). */
+    int64_t num_parts = 0, num_split = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t len = context_lens[s];
-        /* The vector path keeps one block's scores, [H, block_size]; the scalar loops all of
-         * them, [H, len]. (Sized by the context for both, SmolLM2's 9 heads at 32k tokens took
-         * 1.2 MB a sequence and layer where the vector path uses 576 bytes.) */
-        const int64_t tokens = vec || len < sh->block_size ? sh->block_size : len;
-        float *scores = (float *)malloc(sizeof(float) * sh->num_heads * tokens);
-        fn(out + s * sh->num_heads * head_dim, query + s * sh->num_heads * head_dim, kv,
-           block_tables + s * max_blocks, len, scores, sh, head_dim);
-        free(scores);
+        const int64_t p = vec ? parts_of(context_lens[s], bs) : 1;
+        num_parts += p > 1 ? p : 0;
+        num_split += p > 1;
     }
+    int32_t(*items)[2] = malloc(sizeof *items * (num_seqs - num_split + num_parts + 1));
+    int64_t *first_part = malloc(sizeof(int64_t) * (num_seqs + 1));
+    float *part_o = NULL, *part_mx = NULL, *part_sum = NULL;
+    if (num_parts) {
+        part_o = malloc(sizeof(float) * num_parts * H * head_dim);
+        part_mx = malloc(sizeof(float) * num_parts * H * 2);
+        part_sum = part_mx + num_parts * H;
+    }
+    int64_t n = 0, slot = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t p = vec ? parts_of(context_lens[s], bs) : 1;
+        first_part[s] = p > 1 ? slot : -1;
+        for (int64_t j = 0; p > 1 && j < p; ++j, ++slot) items[n][0] = (int32_t)s, items[n++][1] = (int32_t)j;
+    }
+    for (int64_t s = 0; s < num_seqs; ++s)
+        if (first_part[s] < 0) items[n][0] = (int32_t)s, items[n++][1] = -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t s = items[i][0], j = items[i][1], len = context_lens[s];
+            /* The vector path keeps one block's scores, [H, block_size]; the scalar loops all of
+             * them, [H, len]. (Sized by the context for both, SmolLM2's 9 heads at 32k tokens took
+             * 1.2 MB a sequence and layer where the vector path uses 576 bytes.) */
+            const int64_t tokens = vec || len < bs ? bs : len;
+            float *scores = (float *)malloc(sizeof(float) * H * tokens);
+            const float *q = query + s * H * head_dim;
+            const int32_t *table = block_tables + s * max_blocks;
+            if (j < 0) {
+                fn(out + s * H * head_dim, q, kv, table, len, scores, sh, head_dim, 0, (len + bs - 1) / bs, NULL);
+            } else {
+                const int64_t at = first_part[s] + j;
+                const Partial part = {part_mx + at * H, part_sum + at * H};
+                fn(part_o + at * H * head_dim, q, kv, table, len, scores, sh, head_dim, j * part_blocks,
+                   (j + 1) * part_blocks, &part);
+            }
+            free(scores);
+        }
+        if (num_parts) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t s = 0; s < num_seqs; ++s) {
+                const int64_t at = first_part[s];
+                if (at >= 0)
+                    merge_parts(out + s * H * head_dim, part_o + at * H * head_dim, part_mx + at * H, part_sum + at * H,
+                                parts_of(context_lens[s], bs), H, head_dim);
+            }
+        }
+    }
+    free(items);
+    free(first_part);
+    free(part_o);
+    free(part_mx);
 }
 
 /* query and out fp32; `kv_bf16`: the cache holds bf16 (read widened, summed in fp32), else fp32. */
