@@ -1,11 +1,12 @@
 """Decode attention over long contexts: the C decode kernel (kernels/cpu/paged_decode_attention.c)
-splitting a context past 1,024 tokens into parts of 512 that every thread takes (flash-decoding),
+splitting a context past 1,024 tokens into parts of about equal length, one per 1,024 tokens
+begun, that every thread takes (flash-decoding),
 against the same kernel built without the split (`-DDECODE_SPLIT_FROM` past every context), where
 each sequence is one thread's work.
 
 SmolLM2's attention shape (9 query / 3 KV heads of 64, 16-token blocks placed at random), each
 layer its own cache (30 of them: a step reads every layer's K/V once, as the model does). Cases:
-one stream at 2k-8k tokens (a long chat, where the split matters: one sequence on one core),
+one stream at 1.2k-8k tokens (a long chat, where the split matters: one sequence on one core),
 2 and 5 streams, and a batch of 32 at 1-2k tokens (where the work already spreads, and the split
 only adds its merges). The two builds alternate; reported: the median ms of a step's 30 layers
 for each, the ratio, and the largest difference between their outputs.
@@ -32,6 +33,7 @@ from benchmarks.offline_throughput import write_json  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
 SCALE = HEAD_DIM ** -0.5
 CASES = {  # name: context lengths of the step's sequences
+    "1 stream, 1,200 tokens": [1200],
     "1 stream, 2,048 tokens": [2048],
     "1 stream, 4,096 tokens": [4096],
     "1 stream, 8,192 tokens": [8192],

@@ -267,15 +267,16 @@ def test_the_decode_kernel_on_a_bf16_cache_sums_bf16_queries_and_others_to_fp32_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_kernel_splits_a_long_context_and_gives_each_sequence_the_same_bits_alone_or_batched(
         block_size, head_dim, dtype):
-    """Contexts past 1,024 tokens run in parts of 512 on all threads, merged after: lengths on and
-    just past a part's edge, a last part of one token, beside short contexts that stay whole. Each
-    gives the float64 result to fp32's precision, and the same bits computed alone as in the
-    batch: where a context splits depends on its length only."""
+    """Contexts past 1,024 tokens run in parts (one per 1,024 tokens begun) on all threads, merged
+    after: lengths on and just past the threshold and a part's size, parts unequal by a block,
+    beside short contexts that stay whole. Each gives the float64 result to fp32's precision, and
+    the same bits computed alone as in the batch: where a context splits depends on its length
+    only."""
     if not cpu.available():
         pytest.skip("no C compiler for the CPU decode kernel")
     gen = torch.Generator().manual_seed(block_size + head_dim)
     num_heads, num_kv_heads = 9, 3
-    lens = torch.tensor([1024, 1025, 1536, 1537, 2100, 5, 300], dtype=torch.int32)
+    lens = torch.tensor([1024, 1025, 2048, 2049, 3000, 5, 300], dtype=torch.int32)
     per_seq = [-(-int(n) // block_size) for n in lens]
     max_blocks, blocks = max(per_seq), sum(per_seq)
     cache = torch.randn(blocks, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)

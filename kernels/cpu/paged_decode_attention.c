@@ -1,6 +1,6 @@
 /* Decode attention straight from the paged KV cache: one pass over each sequence's K and V,
  * no gather copy. One work item per sequence (spread over OpenMP threads; a context past 1,024
- * tokens is one per 512-token part, see `parts_of`) walks its blocks;
+ * tokens is one per part of up to 1,024, see `part_blocks_of`) walks its blocks;
  * a block's K (then V) is one contiguous run, read sequentially, and while it sits in L1 every
  * query head of every KV head uses it. (Splitting work by KV head instead read each row in
  * thirds and measured slower: the prefetcher then fetches the other heads' lines for nothing.)
@@ -400,23 +400,32 @@ ATTEND(attend_bf16_any, head_dim, 1, 0)
 typedef void (*attend_fn)(float *, const float *, const void *, const int32_t *, int64_t, float *,
                           const Shape *, int64_t, int64_t, int64_t, const Partial *);
 
-/* A long context splits into parts of PART_TOKENS tokens (whole blocks), each its own work item,
- * merged after (flash-decoding): one sequence's decode then runs on every thread, not one.
- * Whether and where a context splits depends on its length alone, never on the batch, so a
- * sequence's result is the same bits whatever else the step holds (a speculative verify step's
- * rows match the plain decodes of the same positions). Contexts up to DECODE_SPLIT_FROM tokens
- * stay whole: a batch of them already spreads over the threads, and each part's first block
- * goes unprefetched. SmolLM2's shape, 30 layers, 2 threads, Zen 4 (decode_attention_split.py):
- * one stream of 2,048-8,192 tokens 1.5x faster in fp32, 1.6-1.75x in bf16; 2-32 streams of
- * 1-3.5k tokens within the runs' noise (0.94-1.03x). */
+/* A context past DECODE_SPLIT_FROM tokens splits into parts of about equal length, one per
+ * PART_TOKENS tokens begun (whole blocks; the last part may be a little shorter), each its own
+ * work item, merged after (flash-decoding): one sequence's decode then runs on every thread,
+ * not one. Whether and where a context splits depends on its length alone, never on the batch,
+ * so a sequence's result is the same bits whatever else the step holds (a speculative verify
+ * step's rows match the plain decodes of the same positions). Shorter contexts stay whole: a
+ * batch of them already spreads over the threads, and each part's first block goes
+ * unprefetched. SmolLM2's shape, 30 layers, 2 threads, Zen 4 (decode_attention_split.py): one
+ * stream of 1,200-8,192 tokens 1.39-1.49x faster in fp32, 1.33-1.76x in bf16; a batch of 32
+ * streams of 1-2k tokens within the runs' noise in fp32 (0.97-1.03x), 3-5% slower in bf16 (with
+ * parts of 512 tokens: 5-8% in both). */
 #ifndef DECODE_SPLIT_FROM
 #define DECODE_SPLIT_FROM 1024 /* benchmarks/decode_attention_split.py builds the kernel without it */
 #endif
-#define PART_TOKENS 512
+#define PART_TOKENS 1024
+
+/* The blocks in each part of a context of `len` tokens (all of them: one part). */
+static int64_t part_blocks_of(int64_t len, int64_t block_size) {
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    if (len <= DECODE_SPLIT_FROM) return blocks;
+    const int64_t parts = (len + PART_TOKENS - 1) / PART_TOKENS;
+    return (blocks + parts - 1) / parts;
+}
 
 static int64_t parts_of(int64_t len, int64_t block_size) {
-    if (len <= DECODE_SPLIT_FROM || PART_TOKENS < block_size) return 1;
-    const int64_t part_blocks = PART_TOKENS / block_size, blocks = (len + block_size - 1) / block_size;
+    const int64_t blocks = (len + block_size - 1) / block_size, part_blocks = part_blocks_of(len, block_size);
     return (blocks + part_blocks - 1) / part_blocks;
 }
 
@@ -444,7 +453,7 @@ static void paged_decode_attention(float *out, const float *query, const void *k
                                    const int32_t *block_tables, const int32_t *context_lens,
                                    int64_t num_seqs, int64_t head_dim, int64_t max_blocks,
                                    const Shape *sh, attend_fn fn, int vec, int num_threads) {
-    const int64_t H = sh->num_heads, bs = sh->block_size, part_blocks = PART_TOKENS / bs;
+    const int64_t H = sh->num_heads, bs = sh->block_size;
     /* Work items: a sequence (part -1), or one part of a split one; the parts first, so that the
      * dynamic schedule ends evenly. A split sequence's parts write their partial results at
      * first_part[s] onward (-1: not split). */
@@ -485,7 +494,7 @@ static void paged_decode_attention(float *out, const float *query, const void *k
             if (j < 0) {
                 fn(out + s * H * head_dim, q, kv, table, len, scores, sh, head_dim, 0, (len + bs - 1) / bs, NULL);
             } else {
-                const int64_t at = first_part[s] + j;
+                const int64_t at = first_part[s] + j, part_blocks = part_blocks_of(len, bs);
                 const Partial part = {part_mx + at * H, part_sum + at * H};
                 fn(part_o + at * H * head_dim, q, kv, table, len, scores, sh, head_dim, j * part_blocks,
                    (j + 1) * part_blocks, &part);
