@@ -425,6 +425,7 @@ static int64_t part_blocks_of(int64_t len, int64_t block_size) {
 }
 
 static int64_t parts_of(int64_t len, int64_t block_size) {
+    if (len <= DECODE_SPLIT_FROM) return 1; /* also an empty context: no division by its 0 blocks */
     const int64_t blocks = (len + block_size - 1) / block_size, part_blocks = part_blocks_of(len, block_size);
     return (blocks + part_blocks - 1) / part_blocks;
 }
