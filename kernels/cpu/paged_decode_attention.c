@@ -409,7 +409,7 @@ typedef void (*attend_fn)(float *, const float *, const void *, const int32_t *,
  * batch of them already spreads over the threads, and each part's first block goes
  * unprefetched. SmolLM2's shape, 30 layers, 2 threads, Zen 4 (decode_attention_split.py): one
  * stream of 1,200-8,192 tokens 1.39-1.49x faster in fp32, 1.33-1.76x in bf16; a batch of 32
- * streams of 1-2k tokens within the runs' noise in fp32 (0.97-1.03x), 3-5% slower in bf16 (with
+ * streams of 1-2k tokens within the runs' noise in fp32 (0.97-1.03x), 3-9% slower in bf16 (with
  * parts of 512 tokens: 5-8% in both). */
 #ifndef DECODE_SPLIT_FROM
 #define DECODE_SPLIT_FROM 1024 /* benchmarks/decode_attention_split.py builds the kernel without it */
