@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from kernels import cpu  # noqa: E402
+from kernels.random_batch import shuffled_block_tables  # noqa: E402
 from benchmarks.offline_throughput import write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
@@ -45,14 +46,8 @@ CASES = {  # name: context lengths of the step's sequences
 
 def make_step(lens: list[int], gen: torch.Generator, dtype: torch.dtype):
     """Per layer a cache holding exactly the step's blocks, in a random order; the queries."""
-    per_seq = [-(-n // BLOCK_SIZE) for n in lens]
-    blocks = sum(per_seq)
-    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
-    order = torch.randperm(blocks, generator=gen).to(torch.int32)
-    start = 0
-    for s, count in enumerate(per_seq):
-        tables[s, :count] = order[start:start + count]
-        start += count
+    blocks = sum(-(-n // BLOCK_SIZE) for n in lens)
+    tables, _ = shuffled_block_tables(gen, BLOCK_SIZE, [1] * len(lens), lens, blocks)
     caches = [(torch.rand(blocks, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) - 0.5).to(dtype)
               for _ in range(LAYERS)]
     query = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen)

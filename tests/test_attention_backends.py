@@ -13,6 +13,7 @@ import torch
 
 import kernels
 from kernels import cpu
+from kernels.random_batch import shuffled_block_tables
 from tests.test_paged_attention import _random_batch
 
 
@@ -278,14 +279,9 @@ def test_the_decode_kernel_splits_a_long_context_and_gives_each_sequence_the_sam
     num_heads, num_kv_heads = 9, 3
     lens = torch.tensor([1024, 1025, 2048, 2049, 3000, 5, 300], dtype=torch.int32)
     per_seq = [-(-int(n) // block_size) for n in lens]
-    max_blocks, blocks = max(per_seq), sum(per_seq)
+    blocks = sum(per_seq)
     cache = torch.randn(blocks, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(blocks, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
-    start = 0
-    for s, count in enumerate(per_seq):
-        tables[s, :count] = order[start:start + count]
-        start += count
+    tables, _ = shuffled_block_tables(gen, block_size, [1] * len(lens), lens.tolist(), blocks)
     query = 2 * torch.randn(len(lens), num_heads, head_dim, generator=gen)
     out = torch.empty_like(query)
     cpu.decode_attention(out, query, cache, tables, lens, 0.125)

@@ -456,30 +456,28 @@ static void paged_decode_attention(float *out, const float *query, const void *k
                                    const Shape *sh, attend_fn fn, int vec, int num_threads) {
     const int64_t H = sh->num_heads, bs = sh->block_size;
     /* Work items: a sequence (part -1), or one part of a split one; the parts first, so that the
-     * dynamic schedule ends evenly. A split sequence's parts write their partial results at
-     * first_part[s] onward (-1: not split). */
-    int64_t num_parts = 0, num_split = 0;
+     * dynamic schedule ends evenly. Sequence s runs in parts[s] parts, whose partial results sit
+     * at first_part[s] onward (-1: not split). */
+    int64_t *parts = malloc(sizeof(int64_t) * (num_seqs + 1)), *first_part = malloc(sizeof(int64_t) * (num_seqs + 1));
+    int64_t num_parts = 0, num_whole = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t p = vec ? parts_of(context_lens[s], bs) : 1;
-        num_parts += p > 1 ? p : 0;
-        num_split += p > 1;
+        parts[s] = vec ? parts_of(context_lens[s], bs) : 1;
+        first_part[s] = parts[s] > 1 ? num_parts : -1;
+        num_parts += parts[s] > 1 ? parts[s] : 0;
+        num_whole += parts[s] == 1;
     }
-    int32_t(*items)[2] = malloc(sizeof *items * (num_seqs - num_split + num_parts + 1));
-    int64_t *first_part = malloc(sizeof(int64_t) * (num_seqs + 1));
+    int32_t(*items)[2] = malloc(sizeof *items * (num_whole + num_parts + 1));
     float *part_o = NULL, *part_mx = NULL, *part_sum = NULL;
     if (num_parts) {
         part_o = malloc(sizeof(float) * num_parts * H * head_dim);
         part_mx = malloc(sizeof(float) * num_parts * H * 2);
         part_sum = part_mx + num_parts * H;
     }
-    int64_t n = 0, slot = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t p = vec ? parts_of(context_lens[s], bs) : 1;
-        first_part[s] = p > 1 ? slot : -1;
-        for (int64_t j = 0; p > 1 && j < p; ++j, ++slot) items[n][0] = (int32_t)s, items[n++][1] = (int32_t)j;
-    }
+    int64_t n = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
-        if (first_part[s] < 0) items[n][0] = (int32_t)s, items[n++][1] = -1;
+        for (int64_t j = 0; parts[s] > 1 && j < parts[s]; ++j) items[n][0] = (int32_t)s, items[n++][1] = (int32_t)j;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        if (parts[s] == 1) items[n][0] = (int32_t)s, items[n++][1] = -1;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -508,11 +506,12 @@ static void paged_decode_attention(float *out, const float *query, const void *k
                 const int64_t at = first_part[s];
                 if (at >= 0)
                     merge_parts(out + s * H * head_dim, part_o + at * H * head_dim, part_mx + at * H, part_sum + at * H,
-                                parts_of(context_lens[s], bs), H, head_dim);
+                                parts[s], H, head_dim);
             }
         }
     }
     free(items);
+    free(parts);
     free(first_part);
     free(part_o);
     free(part_mx);
